@@ -1,0 +1,43 @@
+"""kvshm.region: vLLM's shared CPU offload region, created, attached, populated and locked safely."""
+
+from kvshm.region.errors import (
+    InvalidInstanceIdError,
+    InvalidLayoutError,
+    RegionAttachTimeout,
+    RegionError,
+    RegionLockError,
+    RegionSizeMismatchError,
+    RegionSpaceError,
+    UnsafePathError,
+)
+from kvshm.region.layout import RegionLayout
+from kvshm.region.naming import (
+    INSTANCE_ID_PATTERN,
+    MAX_INSTANCE_ID_LENGTH,
+    instance_id_from_file_name,
+    region_file_name,
+    validate_instance_id,
+)
+from kvshm.region.populate import PopulateMethod
+from kvshm.region.shared_region import OpenMode, SharedOffloadRegion, pin_mmap_region
+
+__all__ = [
+    "INSTANCE_ID_PATTERN",
+    "MAX_INSTANCE_ID_LENGTH",
+    "InvalidInstanceIdError",
+    "InvalidLayoutError",
+    "OpenMode",
+    "PopulateMethod",
+    "RegionAttachTimeout",
+    "RegionError",
+    "RegionLayout",
+    "RegionLockError",
+    "RegionSizeMismatchError",
+    "RegionSpaceError",
+    "SharedOffloadRegion",
+    "UnsafePathError",
+    "instance_id_from_file_name",
+    "pin_mmap_region",
+    "region_file_name",
+    "validate_instance_id",
+]

@@ -1,0 +1,60 @@
+"""Errors a user of a region can cause; each message says what was wrong and what to do."""
+
+from __future__ import annotations
+
+import errno
+
+
+class RegionError(Exception):
+    """Base class of every error kvshm.region raises on purpose."""
+
+
+class InvalidLayoutError(RegionError, ValueError):
+    """The block count, cpu page size or worker count cannot describe a region."""
+
+
+class InvalidInstanceIdError(RegionError, ValueError):
+    """An instance id that would not make a safe, single file name."""
+
+
+class UnsafePathError(RegionError, OSError):
+    """Something other than a plain regular file sits where a region file goes."""
+
+
+class RegionSizeMismatchError(RegionError, OSError):
+    """An existing region file has another size than the layout asks for; it is left untouched."""
+
+    def __init__(self, path: str, actual_bytes: int, expected_bytes: int) -> None:
+        super().__init__(
+            f"region file {path} is {actual_bytes} bytes but the layout needs "
+            f"{expected_bytes} bytes; it was left untouched. Another region with the same "
+            f"instance id but a different layout exists: use a different instance id, or "
+            f"remove the old region once nothing uses it."
+        )
+        self.path = path
+        self.actual_bytes = actual_bytes
+        self.expected_bytes = expected_bytes
+
+
+class RegionSpaceError(RegionError, OSError):
+    """The filesystem holding the region cannot hold all of its pages."""
+
+    def __init__(self, path: str, needed_bytes: int, free_bytes: int | None, detail: str) -> None:
+        free = "unknown" if free_bytes is None else f"{free_bytes} bytes"
+        super().__init__(
+            errno.ENOSPC,
+            f"region {path} needs {needed_bytes} bytes but its filesystem has {free} free "
+            f"({detail}). Free memory on the tmpfs (remove unused regions), enlarge it "
+            f"(mount -o remount,size=...), or ask for fewer blocks.",
+        )
+        self.path = path
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+
+class RegionLockError(RegionError, PermissionError):
+    """mlock was refused: the process lacks CAP_IPC_LOCK or a large enough RLIMIT_MEMLOCK."""
+
+
+class RegionAttachTimeout(RegionError, TimeoutError):
+    """The region file did not appear, or did not reach its size, in time."""

@@ -1,0 +1,61 @@
+"""Thin, typed wrappers over the memory system calls Python's mmap module lacks.
+
+ctypes releases the GIL around foreign calls, so madvise runs truly in parallel in threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+
+PAGE_SIZE = mmap.PAGESIZE
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module does not name it
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mlock.restype = ctypes.c_int
+_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munlock.restype = ctypes.c_int
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.mincore.restype = ctypes.c_int
+
+
+def mapping_address(mapping: mmap.mmap) -> int:
+    """Start address of a mapping. The temporary buffer export is dropped before returning,
+    so the mapping can still be closed; the address is valid while it stays open."""
+    anchor = ctypes.c_char.from_buffer(mapping)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
+
+
+def _check(result: int, call: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{call}: {os.strerror(err)}")
+
+
+def madvise(address: int, length: int, advice: int) -> None:
+    _check(_libc.madvise(address, length, advice), "madvise")
+
+
+def mlock(address: int, length: int) -> None:
+    _check(_libc.mlock(address, length), "mlock")
+
+
+def munlock(address: int, length: int) -> None:
+    _check(_libc.munlock(address, length), "munlock")
+
+
+def resident_bytes(address: int, length: int) -> int:
+    """Bytes of [address, address+length) whose pages are in memory (mincore)."""
+    pages = (length + PAGE_SIZE - 1) // PAGE_SIZE
+    vector = (ctypes.c_ubyte * pages)()
+    _check(_libc.mincore(address, length, vector), "mincore")
+    # mincore sets bit 0 per resident page and leaves the other bits zero
+    return bytes(vector).count(1) * PAGE_SIZE

@@ -1,0 +1,134 @@
+"""Making a region's pages resident before anyone needs them: parallel MADV_POPULATE_WRITE.
+
+Populating allocates every tmpfs page up front, so a full filesystem is an error here, with
+sizes, instead of a SIGBUS later in whichever process first touches the missing page.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
+
+from kvshm.region import memory
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+ProgressCallback = Callable[[int], None]
+"""Called with the number of bytes populated so far (from worker threads)."""
+
+# What madvise answers when a page cannot be allocated: tmpfs full (a would-be SIGBUS is
+# EFAULT), or memory / cgroup limits (ENOMEM).
+_OUT_OF_SPACE = {errno.EFAULT, errno.ENOMEM, errno.ENOSPC}
+
+
+class PopulateMethod(Enum):
+    MADVISE = "madvise"
+    """MADV_POPULATE_WRITE: allocates the pages and maps them writable in this process."""
+    FALLOCATE = "fallocate"
+    """Fallback for kernels without MADV_POPULATE_WRITE: allocates the file's pages (existing
+    bytes are kept) and leaves page-table entries to be filled on first touch (minor faults).
+    Unlike writing a byte into every page, it cannot race with workers writing their cells."""
+
+
+class PopulateOutOfSpace(OSError):
+    """A page could not be allocated; errno and offset say which."""
+
+    def __init__(self, err: int, offset: int) -> None:
+        super().__init__(err, f"{os.strerror(err)} at offset {offset}")
+        self.offset = offset
+
+
+def default_threads() -> int:
+    return max(1, min(32, len(os.sched_getaffinity(0))))
+
+
+def split_ranges(
+    ranges: Sequence[tuple[int, int]], chunk_bytes: int
+) -> list[tuple[int, int]]:
+    """Cut (offset, length) ranges into pieces of at most chunk_bytes, page-aligned inside."""
+    chunk_bytes = max(memory.PAGE_SIZE, chunk_bytes - chunk_bytes % memory.PAGE_SIZE)
+    pieces = []
+    for offset, length in ranges:
+        end = offset + length
+        while offset < end:
+            step = min(chunk_bytes, end - offset)
+            pieces.append((offset, step))
+            offset += step
+    return pieces
+
+
+class Populator:
+    """Populates ranges of one mapping in parallel threads and reports progress."""
+
+    def __init__(
+        self,
+        address: int,
+        fd: int,
+        *,
+        threads: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        method: PopulateMethod = PopulateMethod.MADVISE,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        self._address = address
+        self._fd = fd
+        self._threads = threads or default_threads()
+        self._chunk_bytes = chunk_bytes
+        self.method = method
+        self._progress = progress
+        self._done_bytes = 0
+        self._lock = threading.Lock()
+
+    def populate(self, ranges: Sequence[tuple[int, int]]) -> PopulateMethod:
+        """Populate every range; return the method that did it.
+
+        Raises PopulateOutOfSpace when the filesystem or memory limits cannot hold the pages.
+        """
+        pieces = split_ranges(ranges, self._chunk_bytes)
+        if self.method is PopulateMethod.MADVISE:
+            try:
+                self._run(pieces[:1])
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.warning(
+                    "MADV_POPULATE_WRITE refused (kernel older than 5.14?): "
+                    "falling back to fallocate"
+                )
+                self.method = PopulateMethod.FALLOCATE
+                self._run(pieces[:1])
+            pieces = pieces[1:]
+        self._run(pieces)
+        return self.method
+
+    def _run(self, pieces: Sequence[tuple[int, int]]) -> None:
+        if len(pieces) <= 1 or self._threads == 1:
+            for piece in pieces:
+                self._one(piece)
+            return
+        with ThreadPoolExecutor(self._threads, thread_name_prefix="kvshm-populate") as pool:
+            # list() re-raises the first worker exception here
+            list(pool.map(self._one, pieces))
+
+    def _one(self, piece: tuple[int, int]) -> None:
+        offset, length = piece
+        try:
+            if self.method is PopulateMethod.MADVISE:
+                memory.madvise(self._address + offset, length, memory.MADV_POPULATE_WRITE)
+            else:
+                os.posix_fallocate(self._fd, offset, length)
+        except OSError as exc:
+            if exc.errno in _OUT_OF_SPACE:
+                raise PopulateOutOfSpace(exc.errno, offset) from exc
+            raise
+        if self._progress is not None:
+            with self._lock:
+                self._done_bytes += length
+                done = self._done_bytes
+            self._progress(done)

@@ -1,0 +1,405 @@
+"""SharedOffloadRegion: vLLM's CPU offload region (one file every tensor-parallel worker maps),
+created or attached safely, populated in parallel, lockable and registrable with CUDA."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import resource
+import time
+from enum import Enum
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from kvshm.region import memory, safefile
+from kvshm.region.errors import (
+    InvalidLayoutError,
+    RegionAttachTimeout,
+    RegionError,
+    RegionLockError,
+    RegionSizeMismatchError,
+    RegionSpaceError,
+)
+from kvshm.region.layout import RegionLayout
+from kvshm.region.naming import region_file_name
+from kvshm.region.pinning import MAX_REGISTRATION_BYTES, CudaRegistration, cuda_runtime
+from kvshm.region.populate import PopulateMethod, PopulateOutOfSpace, Populator, ProgressCallback
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DIRECTORY = "/dev/shm"
+DEFAULT_FILE_MODE = 0o600
+DEFAULT_ATTACH_TIMEOUT_SECONDS = 30.0
+DEFAULT_POLL_SECONDS = 0.005
+
+
+class OpenMode(str, Enum):
+    CREATE_OR_ATTACH = "create_or_attach"
+    """vLLM's behaviour: the first process creates and sizes the file, the others attach."""
+    ATTACH = "attach"
+    """Never create: wait for the file someone else (the kvshm agent) creates."""
+    CREATE = "create"
+    """Always create; an existing file is an error."""
+
+
+def check_file_mode(file_mode: int) -> int:
+    if not 0 <= file_mode <= 0o777:
+        raise InvalidLayoutError(f"file mode {file_mode:#o} is not a permission mode (0-0777)")
+    if file_mode & 0o007:
+        raise InvalidLayoutError(
+            f"file mode {file_mode:#o} gives other users access to the KV cache; "
+            f"use owner and group bits only (e.g. 0600 or 0660)"
+        )
+    return file_mode
+
+
+class SharedOffloadRegion:
+    """One region file, mapped shared and read-write by this process.
+
+    The file is `<directory>/vllm_offload_<instance_id>.mmap`, num_blocks rows of num_workers
+    cells of cpu_page_size bytes: vLLM's name and layout, so either side can be kvshm or vLLM.
+
+    populate=None populates when this process created the file, and when it attached to a file
+    whose pages are not all allocated yet; with a rank only that worker's cells, else all of it.
+    Attached processes hold a shared flock on the file so the agent can tell it is in use.
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        total_size_bytes: int,
+        num_blocks: int,
+        rank: int | None,
+        num_workers: int,
+        cpu_page_size: int,
+        *,
+        directory: str = DEFAULT_DIRECTORY,
+        mode: OpenMode | str = OpenMode.CREATE_OR_ATTACH,
+        file_mode: int = DEFAULT_FILE_MODE,
+        owner: tuple[int, int] | None = None,
+        attach_timeout: float = DEFAULT_ATTACH_TIMEOUT_SECONDS,
+        poll_interval: float = DEFAULT_POLL_SECONDS,
+        populate: bool | None = None,
+        populate_threads: int | None = None,
+        populate_method: PopulateMethod = PopulateMethod.MADVISE,
+        progress: ProgressCallback | None = None,
+        unlink_on_cleanup: bool | None = None,
+    ) -> None:
+        self.layout = RegionLayout(num_blocks, cpu_page_size, num_workers)
+        if total_size_bytes != self.layout.size_bytes:
+            raise InvalidLayoutError(
+                f"total_size_bytes is {total_size_bytes} but {num_blocks} blocks x "
+                f"{cpu_page_size} bytes x {num_workers} workers is {self.layout.size_bytes}"
+            )
+        if rank is not None:
+            self.layout.check_rank(rank)
+        self.instance_id = instance_id
+        self.rank = rank
+        self.file_name = region_file_name(instance_id)
+        self.mmap_path = os.path.join(directory, self.file_name)
+        self.mode = OpenMode(mode)
+        self.file_mode = check_file_mode(file_mode)
+        self.is_creator = False
+        self.populate_method: PopulateMethod | None = None
+        self.populate_seconds = 0.0
+        self.is_locked = False
+        self._owner = owner
+        self._populate_threads = populate_threads
+        self._populate_method = populate_method
+        self._progress = progress
+        self._unlink_on_cleanup = unlink_on_cleanup
+        self._registration: CudaRegistration | None = None
+        self._base: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+        self._memoryviews: list[memoryview] = []
+        self._next_view_offset = 0 if rank is None else rank * cpu_page_size
+        self._fd = -1
+        self._mapping: mmap.mmap | None = None
+        self._cleaned = False
+
+        started = time.monotonic()
+        self._dir_fd = safefile.open_directory(directory)
+        try:
+            self._open(attach_timeout, poll_interval)
+            self._mapping = mmap.mmap(
+                self._fd, self.layout.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+            )
+            self.address = memory.mapping_address(self._mapping)
+            self.attach_seconds = time.monotonic() - started
+            if populate is None:
+                populate = self.is_creator or not self.is_fully_allocated()
+            if populate:
+                self.populate()
+        except BaseException:
+            self.cleanup()
+            raise
+
+    # -- opening ---------------------------------------------------------------------------
+
+    def _open(self, timeout: float, poll_interval: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.mode is not OpenMode.ATTACH:
+                fd = safefile.create_exclusive(self._dir_fd, self.file_name, self.file_mode)
+                if fd is not None:
+                    self._fd = fd
+                    self.is_creator = True
+                    self._initialise_created_file()
+                    return
+                if self.mode is OpenMode.CREATE:
+                    raise FileExistsError(
+                        errno.EEXIST,
+                        f"{self.mmap_path} already exists and mode 'create' never attaches: "
+                        f"use mode 'attach' or 'create_or_attach', or another instance id",
+                    )
+            try:
+                self._fd = safefile.open_existing(self._dir_fd, self.file_name, self.mmap_path)
+            except FileNotFoundError:
+                # attach: not created yet; create_or_attach: the creator gave up and removed it
+                self._sleep_or_timeout(deadline, poll_interval, "did not appear")
+                continue
+            if self._hold_shared() and safefile.is_same_file(
+                self._dir_fd, self.file_name, self._fd
+            ):
+                self._wait_for_size(deadline, poll_interval)
+                return
+            # the file was removed or replaced while we opened it: start over
+            os.close(self._fd)
+            self._fd = -1
+            self._sleep_or_timeout(deadline, poll_interval, "was being replaced")
+
+    def _sleep_or_timeout(self, deadline: float, poll_interval: float, what: str) -> None:
+        if time.monotonic() >= deadline:
+            raise RegionAttachTimeout(
+                f"region file {self.mmap_path} {what} in time. If the kvshm agent provides it, "
+                f"check that an OffloadRegion with instanceId {self.instance_id!r} is placed on "
+                f"this node and Ready (kubectl get offloadregions), and that its directory is "
+                f"mounted at {os.path.dirname(self.mmap_path)}."
+            )
+        time.sleep(poll_interval)
+
+    def _hold_shared(self) -> bool:
+        """Take a shared flock: attached processes are visible to the agent as holders."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # the agent holds it exclusively only while it removes the file
+        return True
+
+    def _initialise_created_file(self) -> None:
+        size = self.layout.size_bytes
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        if self._owner is not None:
+            os.fchown(self._fd, *self._owner)
+        free = safefile.free_bytes(self._fd)
+        if free < size:
+            raise RegionSpaceError(self.mmap_path, size, free, "checked before creating it")
+        os.ftruncate(self._fd, size)
+
+    def _wait_for_size(self, deadline: float, poll_interval: float) -> None:
+        expected = self.layout.size_bytes
+        while True:
+            actual = os.fstat(self._fd).st_size
+            if actual == expected:
+                return
+            if actual != 0:
+                raise RegionSizeMismatchError(self.mmap_path, actual, expected)
+            self._sleep_or_timeout(deadline, poll_interval, f"did not reach {expected} bytes")
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def is_fully_allocated(self) -> bool:
+        """Whether the filesystem holds every page of the file (so no access can SIGBUS)."""
+        return os.fstat(self._fd).st_blocks * 512 >= self.layout.size_bytes
+
+    def populate(self) -> None:
+        """Allocate and map this process's part of the region: its rank's cells, or all."""
+        size = self.layout.size_bytes
+        if self.rank is None:
+            ranges = [(0, size)]
+        else:
+            ranges = self.layout.rank_ranges(self.rank, memory.PAGE_SIZE)
+        populator = Populator(
+            self.address,
+            self._fd,
+            threads=self._populate_threads,
+            method=self._populate_method,
+            progress=self._progress,
+        )
+        started = time.monotonic()
+        try:
+            self.populate_method = populator.populate(ranges)
+        except PopulateOutOfSpace as exc:
+            raise RegionSpaceError(
+                self.mmap_path,
+                size,
+                safefile.free_bytes(self._fd),
+                f"{exc.strerror} while populating at offset {exc.offset}"
+                + ("; the partial file was removed" if self._will_unlink() else ""),
+            ) from exc
+        self.populate_seconds = time.monotonic() - started
+
+    def resident_bytes(self) -> int:
+        return memory.resident_bytes(self.address, self.layout.size_bytes)
+
+    def lock(self) -> None:
+        """mlock the whole region so its pages are never swapped out."""
+        if self.is_locked:
+            return
+        try:
+            memory.mlock(self.address, self.layout.size_bytes)
+        except OSError as exc:
+            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+            raise RegionLockError(
+                exc.errno,
+                f"mlock of {self.layout.size_bytes} bytes of {self.mmap_path} was refused "
+                f"({exc.strerror}). The process needs the IPC_LOCK capability (in Kubernetes: "
+                f"securityContext.capabilities.add: [IPC_LOCK]) or an RLIMIT_MEMLOCK of at "
+                f"least the region size (now {limit}).",
+            ) from exc
+        self.is_locked = True
+
+    def unlock(self) -> None:
+        if self.is_locked:
+            memory.munlock(self.address, self.layout.size_bytes)
+            self.is_locked = False
+
+    # -- CUDA ------------------------------------------------------------------------------
+
+    @property
+    def is_pinned(self) -> bool:
+        return self._registration is not None
+
+    def pin(self, max_chunk_bytes: int = MAX_REGISTRATION_BYTES) -> bool:
+        """Register the region with CUDA in row-aligned pieces; warn and return False on failure."""
+        if self._registration is not None:
+            return True
+        cudart, reason = cuda_runtime()
+        if cudart is None:
+            log.warning("region %s not pinned: %s; copies will be slower", self.mmap_path, reason)
+            return False
+        registration = CudaRegistration(
+            cudart, self.address, self.layout.row_aligned_chunks(max_chunk_bytes)
+        )
+        try:
+            registration.register()
+        except OSError as exc:
+            log.warning("region %s not pinned: %s; copies will be slower", self.mmap_path, exc)
+            return False
+        self._registration = registration
+        return True
+
+    # -- views -----------------------------------------------------------------------------
+
+    def _base_tensor(self) -> torch.Tensor:
+        if self._base is None:
+            import torch
+
+            assert self._mapping is not None
+            self._base = torch.frombuffer(self._mapping, dtype=torch.int8)
+        return self._base
+
+    def create_next_view(self, tensor_page_size: int) -> torch.Tensor:
+        """int8 view (num_blocks, tensor_page_size), strides (row_stride, 1), over this worker's
+        next tensor_page_size bytes of every cell."""
+        if self.rank is None:
+            raise RegionError("create_next_view needs a rank: open the region with rank=<worker>")
+        if tensor_page_size < 1:
+            raise InvalidLayoutError(f"tensor_page_size must be at least 1, got {tensor_page_size}")
+        cell_end = (self.rank + 1) * self.layout.cpu_page_size
+        end = self._next_view_offset + tensor_page_size
+        if end > cell_end:
+            raise InvalidLayoutError(
+                f"a view of {tensor_page_size} bytes overflows worker {self.rank}'s "
+                f"{self.layout.cpu_page_size}-byte cell by {end - cell_end} bytes: the tensors "
+                f"of one worker must fit in cpu_page_size"
+            )
+        view = self._base_tensor().as_strided(
+            (self.layout.num_blocks, tensor_page_size),
+            (self.layout.row_stride, 1),
+            self._next_view_offset,
+        )
+        self._next_view_offset = end
+        self._views.append(view)
+        return view
+
+    def create_kv_memoryview(self) -> memoryview:
+        """Zero-copy memoryview shaped (num_blocks, row_stride): block b is view[b]."""
+        assert self._mapping is not None
+        view = memoryview(self._mapping).cast(
+            "B", (self.layout.num_blocks, self.layout.row_stride)
+        )
+        self._memoryviews.append(view)
+        return view
+
+    # -- cleanup ---------------------------------------------------------------------------
+
+    def _will_unlink(self) -> bool:
+        unlink = self._unlink_on_cleanup
+        return self.is_creator if unlink is None else unlink and self.is_creator
+
+    def cleanup(self) -> None:
+        """Release everything this process holds; the creator also removes the file. Idempotent."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        if self._registration is not None:
+            self._registration.unregister()
+            self._registration = None
+        self._views.clear()
+        self._base = None
+        for view in self._memoryviews:
+            view.release()
+        self._memoryviews.clear()
+        if self._mapping is not None:
+            try:
+                self.unlock()
+            except OSError as exc:
+                log.warning("munlock of %s failed: %s", self.mmap_path, exc)
+            try:
+                self._mapping.close()
+            except (BufferError, OSError) as exc:
+                log.warning("could not unmap %s (views still in use?): %s", self.mmap_path, exc)
+            self._mapping = None
+        if self._fd >= 0:
+            if self._will_unlink() and safefile.is_same_file(
+                self._dir_fd, self.file_name, self._fd
+            ):
+                try:
+                    os.unlink(self.file_name, dir_fd=self._dir_fd)
+                except OSError as exc:
+                    log.warning("could not remove %s: %s", self.mmap_path, exc)
+            os.close(self._fd)
+            self._fd = -1
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
+    def __enter__(self) -> SharedOffloadRegion:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+
+    def __repr__(self) -> str:
+        return (
+            f"SharedOffloadRegion({self.mmap_path!r}, {self.layout}, rank={self.rank}, "
+            f"creator={self.is_creator})"
+        )
+
+
+def pin_mmap_region(region: SharedOffloadRegion, **kwargs: Any) -> bool:
+    """Register the region with CUDA; vLLM's name for SharedOffloadRegion.pin()."""
+    return region.pin(**kwargs)

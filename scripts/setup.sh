@@ -1,0 +1,19 @@
+# Sourced by scripts/*.sh: creates .venv (CPU torch pinned) and installs kvshm with every extra.
+# Idempotent; re-installs only when pyproject.toml changed.
+VENV="${KVSHM_VENV:-$PWD/.venv}"
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+stamp="$VENV/.kvshm-installed"
+if [[ ! -x $VENV/bin/python ]]; then
+    echo "== creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+if [[ ! -f $stamp || pyproject.toml -nt $stamp || scripts/setup.sh -nt $stamp ]]; then
+    echo "== installing kvshm[dev] into $VENV"
+    "$VENV/bin/pip" install -q --upgrade pip
+    # the CPU build of torch; an unpinned torch would pull gigabytes of CUDA wheels
+    "$VENV/bin/pip" install -q "torch==2.13.0"
+    "$VENV/bin/pip" install -q -e ".[dev]"
+    touch "$stamp"
+fi
+export PATH="$VENV/bin:$PATH"
