@@ -1,0 +1,201 @@
+"""OffloadRegion parsing and the phase vocabulary of both resources."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from kvshm.region import InvalidInstanceIdError, InvalidLayoutError, RegionLayout
+from kvshm.region.naming import validate_instance_id
+from kvshm.region.shared_region import DEFAULT_FILE_MODE, check_file_mode
+
+GROUP = "kvshm.dev"
+VERSION = "v1alpha1"
+REGION_KIND = "OffloadRegion"
+REGION_PLURAL = "offloadregions"
+NODE_KIND = "OffloadNode"
+NODE_PLURAL = "offloadnodes"
+
+# Kubernetes object names (RFC 1123 DNS labels / subdomains): they become directory names.
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+MAX_ID = 2**31 - 1
+
+
+class SpecError(ValueError):
+    """An OffloadRegion that can never work; the message names the field and what to do."""
+
+
+class RegionPhase(str, Enum):
+    """OffloadRegion.status.phase, derived by the operator from every node's report."""
+
+    PENDING = "Pending"
+    PROVISIONING = "Provisioning"
+    READY = "Ready"
+    DEGRADED = "Degraded"
+    FAILED = "Failed"
+    TERMINATING = "Terminating"
+
+
+class NodeRegionPhase(str, Enum):
+    """OffloadRegion.status.nodes.<node>.phase, written by that node's agent only."""
+
+    PENDING = "Pending"
+    CREATING = "Creating"
+    POPULATING = "Populating"
+    READY = "Ready"
+    FAILED = "Failed"
+    DRAINING = "Draining"
+    REMOVED = "Removed"
+
+
+class ReclaimPolicy(str, Enum):
+    DELETE = "Delete"
+    RETAIN = "Retain"
+
+
+@dataclass(frozen=True)
+class RegionAccess:
+    """Owner and permissions of the region's directory and file (never world-accessible)."""
+
+    uid: int = 0
+    gid: int = 0
+    mode: int = DEFAULT_FILE_MODE
+
+    @property
+    def directory_mode(self) -> int:
+        # the directory needs search (x) wherever the file grants read or write
+        mode = self.mode
+        if mode & 0o600:
+            mode |= 0o100
+        if mode & 0o060:
+            mode |= 0o010
+        return mode
+
+
+@dataclass(frozen=True)
+class RegionPlacement:
+    node_names: tuple[str, ...] = ()
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+
+    def matches(self, node_name: str, node_labels: Mapping[str, str]) -> bool:
+        """nodeNames and nodeSelector both apply when both are given."""
+        if self.node_names and node_name not in self.node_names:
+            return False
+        return all(node_labels.get(key) == value for key, value in self.node_selector.items())
+
+
+@dataclass(frozen=True)
+class OffloadRegion:
+    name: str
+    namespace: str
+    instance_id: str
+    layout: RegionLayout
+    placement: RegionPlacement
+    access: RegionAccess
+    populate: bool = True
+    lock: bool = True
+    reclaim_policy: ReclaimPolicy = ReclaimPolicy.DELETE
+    uid: str = ""
+    generation: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def size_bytes(self) -> int:
+        return self.layout.size_bytes
+
+
+def _field(spec: Mapping[str, Any], path: str, kind: type, default: Any) -> Any:
+    value = spec.get(path.rsplit(".", 1)[-1], default)
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise SpecError(f"spec.{path} must be an integer, got {value!r}")
+    if kind is not int and not isinstance(value, kind):
+        raise SpecError(f"spec.{path} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def _mapping(parent: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
+    value = parent.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{path} must be an object, got {value!r}")
+    return value
+
+
+def parse_offload_region(manifest: Mapping[str, Any]) -> OffloadRegion:
+    """An OffloadRegion from its manifest (API object or YAML document), defaults applied.
+
+    Raises SpecError naming the field at fault.
+    """
+    if manifest.get("kind", REGION_KIND) != REGION_KIND:
+        raise SpecError(f"kind must be {REGION_KIND}, got {manifest.get('kind')!r}")
+    metadata = _mapping(manifest, "metadata", "metadata")
+    name = metadata.get("name")
+    namespace = metadata.get("namespace") or "default"
+    if not isinstance(name, str) or not _DNS_SUBDOMAIN.fullmatch(name):
+        raise SpecError(
+            f"metadata.name {name!r} must be a lowercase DNS name (letters, digits, '-', '.')"
+        )
+    if not isinstance(namespace, str) or not _DNS_LABEL.fullmatch(namespace):
+        raise SpecError(f"metadata.namespace {namespace!r} must be a lowercase DNS label")
+    spec = _mapping(manifest, "spec", "spec")
+
+    instance_id = _field(spec, "instanceId", str, name)
+    try:
+        validate_instance_id(instance_id)
+    except InvalidInstanceIdError as exc:
+        raise SpecError(f"spec.instanceId: {exc}") from exc
+
+    layout_spec = _mapping(spec, "layout", "spec.layout")
+    try:
+        layout = RegionLayout(
+            _field(layout_spec, "layout.numBlocks", int, None),
+            _field(layout_spec, "layout.cpuPageSize", int, None),
+            _field(layout_spec, "layout.numWorkers", int, 1),
+        )
+    except InvalidLayoutError as exc:
+        raise SpecError(f"spec.layout: {exc}") from exc
+
+    placement_spec = _mapping(spec, "placement", "spec.placement")
+    node_names = _field(placement_spec, "placement.nodeNames", list, [])
+    selector = _mapping(placement_spec, "nodeSelector", "spec.placement.nodeSelector")
+    if not all(isinstance(n, str) and n for n in node_names):
+        raise SpecError(f"spec.placement.nodeNames must be node names, got {node_names!r}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in selector.items()):
+        raise SpecError("spec.placement.nodeSelector must map label names to string values")
+
+    access_spec = _mapping(spec, "access", "spec.access")
+    uid = _field(access_spec, "access.uid", int, 0)
+    gid = _field(access_spec, "access.gid", int, 0)
+    mode = _field(access_spec, "access.mode", int, DEFAULT_FILE_MODE)
+    if not 0 <= uid <= MAX_ID or not 0 <= gid <= MAX_ID:
+        raise SpecError(f"spec.access uid/gid must be in [0, {MAX_ID}], got {uid}/{gid}")
+    try:
+        check_file_mode(mode)
+    except InvalidLayoutError as exc:
+        raise SpecError(f"spec.access.mode: {exc}") from exc
+
+    policy = _field(spec, "reclaimPolicy", str, ReclaimPolicy.DELETE.value)
+    try:
+        reclaim_policy = ReclaimPolicy(policy)
+    except ValueError:
+        raise SpecError(f"spec.reclaimPolicy must be Delete or Retain, got {policy!r}") from None
+
+    return OffloadRegion(
+        name=name,
+        namespace=namespace,
+        instance_id=instance_id,
+        layout=layout,
+        placement=RegionPlacement(tuple(node_names), dict(selector)),
+        access=RegionAccess(uid, gid, mode),
+        populate=_field(spec, "populate", bool, True),
+        lock=_field(spec, "lock", bool, True),
+        reclaim_policy=reclaim_policy,
+        uid=str(metadata.get("uid", "")),
+        generation=int(metadata.get("generation", 0) or 0),
+    )
