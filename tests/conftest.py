@@ -1,6 +1,17 @@
-"""Test-wide rules: GPU tests skip without CUDA; any other skip fails the run."""
+"""Test-wide rules and fixtures.
+
+GPU tests skip without CUDA; any other skip fails the run (a skipped test is a missing tool,
+and the test command installs every tool). Region tests use real tmpfs directories.
+"""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -33,7 +44,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    # A skipped non-GPU test means a tool is missing: that is a defect of set-up, not a pass.
     if _unexpected_skips and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -43,3 +53,27 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("skipped tests that are not GPU tests (failing the run)")
         for nodeid in _unexpected_skips:
             terminalreporter.write_line(nodeid)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A fresh directory on the machine's real /dev/shm tmpfs."""
+    path = Path(tempfile.mkdtemp(prefix="kvshm-test-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_tmpfs() -> Iterator[Path]:
+    """A 64 MiB tmpfs mounted for this test: a real filesystem that really fills up."""
+    path = Path(tempfile.mkdtemp(prefix="kvshm-tmpfs-"))
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755", "tmpfs", str(path)], check=True
+    )
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+        os.rmdir(path)
