@@ -17,3 +17,6 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp || scripts/setup.sh -nt $stamp ]]
     touch "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
+# helm, hadolint, prometheus and promtool for the chart and monitoring tests (into .tools/bin)
+scripts/install-tools.sh "$VENV/bin/python"
+export PATH="$PWD/.tools/bin:$PATH"

