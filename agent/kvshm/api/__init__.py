@@ -14,10 +14,10 @@ from kvshm.api.resources import (
     VERSION,
     NodeRegionPhase,
     OffloadRegion,
+    ReclaimPolicy,
     RegionAccess,
     RegionPhase,
     RegionPlacement,
-    ReclaimPolicy,
     SpecError,
     parse_offload_region,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from kvshm.region import InvalidInstanceIdError, InvalidLayoutError, RegionLayout
@@ -29,7 +29,7 @@ class SpecError(ValueError):
     """An OffloadRegion that can never work; the message names the field and what to do."""
 
 
-class RegionPhase(str, Enum):
+class RegionPhase(StrEnum):
     """OffloadRegion.status.phase, derived by the operator from every node's report."""
 
     PENDING = "Pending"
@@ -40,7 +40,7 @@ class RegionPhase(str, Enum):
     TERMINATING = "Terminating"
 
 
-class NodeRegionPhase(str, Enum):
+class NodeRegionPhase(StrEnum):
     """OffloadRegion.status.nodes.<node>.phase, written by that node's agent only."""
 
     PENDING = "Pending"
@@ -52,7 +52,7 @@ class NodeRegionPhase(str, Enum):
     REMOVED = "Removed"
 
 
-class ReclaimPolicy(str, Enum):
+class ReclaimPolicy(StrEnum):
     DELETE = "Delete"
     RETAIN = "Retain"
 

@@ -1,4 +1,4 @@
-"""kvshm.region: vLLM's shared CPU offload region, created, attached, populated and locked safely."""
+"""kvshm.region: vLLM's shared CPU offload region, created or attached safely, populated, locked."""
 
 from kvshm.region.errors import (
     InvalidInstanceIdError,

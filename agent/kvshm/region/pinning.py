@@ -55,7 +55,7 @@ class CudaRegistration:
 
     def unregister(self, warn: Callable[[str], None] = log.warning) -> None:
         while self._registered:
-            offset, length = self._registered.pop()
+            offset, _length = self._registered.pop()
             code = _error_code(self._cudart.cudaHostUnregister(self._address + offset))
             if code != 0:
                 warn(f"cudaHostUnregister at offset {offset} failed with CUDA error {code}")

@@ -48,9 +48,7 @@ def default_threads() -> int:
     return max(1, min(32, len(os.sched_getaffinity(0))))
 
 
-def split_ranges(
-    ranges: Sequence[tuple[int, int]], chunk_bytes: int
-) -> list[tuple[int, int]]:
+def split_ranges(ranges: Sequence[tuple[int, int]], chunk_bytes: int) -> list[tuple[int, int]]:
     """Cut (offset, length) ranges into pieces of at most chunk_bytes, page-aligned inside."""
     chunk_bytes = max(memory.PAGE_SIZE, chunk_bytes - chunk_bytes % memory.PAGE_SIZE)
     pieces = []

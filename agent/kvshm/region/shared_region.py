@@ -10,7 +10,7 @@ import mmap
 import os
 import resource
 import time
-from enum import Enum
+from enum import StrEnum
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +39,7 @@ DEFAULT_ATTACH_TIMEOUT_SECONDS = 30.0
 DEFAULT_POLL_SECONDS = 0.005
 
 
-class OpenMode(str, Enum):
+class OpenMode(StrEnum):
     CREATE_OR_ATTACH = "create_or_attach"
     """vLLM's behaviour: the first process creates and sizes the file, the others attach."""
     ATTACH = "attach"
@@ -333,9 +333,7 @@ class SharedOffloadRegion:
     def create_kv_memoryview(self) -> memoryview:
         """Zero-copy memoryview shaped (num_blocks, row_stride): block b is view[b]."""
         assert self._mapping is not None
-        view = memoryview(self._mapping).cast(
-            "B", (self.layout.num_blocks, self.layout.row_stride)
-        )
+        view = memoryview(self._mapping).cast("B", (self.layout.num_blocks, self.layout.row_stride))
         self._memoryviews.append(view)
         return view
 
@@ -356,7 +354,10 @@ class SharedOffloadRegion:
         self._views.clear()
         self._base = None
         for view in self._memoryviews:
-            view.release()
+            try:
+                view.release()
+            except BufferError as exc:  # someone still holds a buffer made from it
+                log.warning("memoryview of %s still in use: %s", self.mmap_path, exc)
         self._memoryviews.clear()
         if self._mapping is not None:
             try:
