@@ -212,6 +212,11 @@ class SharedOffloadRegion:
                 raise RegionSizeMismatchError(self.mmap_path, actual, expected)
             self._sleep_or_timeout(deadline, poll_interval, f"did not reach {expected} bytes")
 
+    def fileno(self) -> int:
+        """The region file's descriptor, valid until cleanup(). The kvshm agent uses it to drop
+        its own shared flock, so that only other processes count as holders."""
+        return self._fd
+
     # -- memory ----------------------------------------------------------------------------
 
     def is_fully_allocated(self) -> bool:
