@@ -1,0 +1,24 @@
+"""The one interface every copy backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from kvshm.transfer.batch import CopyBatch
+
+Stream = Any
+"""A torch.cuda.Stream for GPU backends; None for the CPU backend."""
+
+
+class CopyBackend(ABC):
+    """Issues a batch of (source, destination, size) copies on a stream.
+
+    copy() may return an object that must stay alive until the copies are done (a device
+    copy of the descriptors, say); the caller keeps it until then.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def copy(self, batch: CopyBatch, stream: Stream) -> object: ...

@@ -1,0 +1,82 @@
+"""The DMA backend: the GPU's copy engines, driven by cuMemcpyBatchAsync in chunks.
+
+One call for a whole job blocks the CPU while the driver walks every descriptor, and the copy
+engines idle meanwhile (vLLM's single call reaches ~5 GB/s at 16 KiB blocks); chunks of a
+few hundred descriptors let the engines start on the first chunk while the next is issued.
+Where the batch call is missing (CUDA < 12.8) or refuses the stream, each copy is issued with
+cuMemcpyAsync instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvshm.transfer.backends.base import CopyBackend, Stream
+from kvshm.transfer.backends.cuda_driver import (
+    CUDA_ERROR_INVALID_VALUE,
+    CUDA_ERROR_NOT_SUPPORTED,
+    CUDA_SUCCESS,
+    CopyDirection,
+    CudaDriver,
+)
+from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.errors import CudaCallError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DESCRIPTORS_PER_CALL = 128
+_WORD = 8  # bytes per descriptor entry (uint64)
+
+
+class DmaBackend(CopyBackend):
+    name = "dma"
+
+    def __init__(
+        self,
+        driver: CudaDriver,
+        direction: CopyDirection,
+        descriptors_per_call: int = DEFAULT_DESCRIPTORS_PER_CALL,
+        use_batch: bool = True,
+    ) -> None:
+        if descriptors_per_call < 1:
+            raise ValueError(f"descriptors_per_call must be >= 1, got {descriptors_per_call}")
+        self._driver = driver
+        self._attributes = direction.attributes()
+        self._per_call = descriptors_per_call
+        self.uses_batch = use_batch and driver.has_batch
+
+    def copy(self, batch: CopyBatch, stream: Stream) -> None:
+        handle = int(stream.cuda_stream)
+        if self.uses_batch and self._copy_batched(batch, handle):
+            return
+        self._copy_each(batch, handle)
+
+    def _copy_batched(self, batch: CopyBatch, stream: int) -> bool:
+        """Issue the batch in chunks; False if the driver refused the very first call."""
+        rows = batch.rows
+        src, dst, sizes = rows[0].ctypes.data, rows[1].ctypes.data, rows[2].ctypes.data
+        for start in range(0, batch.count, self._per_call):
+            count = min(self._per_call, batch.count - start)
+            offset = start * _WORD
+            code = self._driver.memcpy_batch(
+                dst + offset, src + offset, sizes + offset, count, self._attributes, stream
+            )
+            if code == CUDA_SUCCESS:
+                continue
+            if start == 0 and code in (CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED):
+                log.warning(
+                    "cuMemcpyBatchAsync refused this stream (CUDA error %d); issuing copies "
+                    "one by one from now on",
+                    code,
+                )
+                self.uses_batch = False
+                return False
+            raise CudaCallError("cuMemcpyBatchAsync", code)
+        return True
+
+    def _copy_each(self, batch: CopyBatch, stream: int) -> None:
+        memcpy = self._driver.memcpy
+        for src, dst, size in zip(*batch.rows.tolist(), strict=True):
+            code = memcpy(dst, src, size, stream)
+            if code != CUDA_SUCCESS:
+                raise CudaCallError("cuMemcpyAsync", code)

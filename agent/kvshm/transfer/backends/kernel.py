@@ -1,0 +1,80 @@
+"""The kernel backend: GPU threads read and write registered host memory directly.
+
+For small blocks this beats the copy engines, whose cost per descriptor dominates there. It
+needs Triton (shipped with torch's CUDA builds), every address and size a multiple of 16
+bytes, and every CPU tensor registered with CUDA at the same address (else a thread would
+fault and take the CUDA context down), so it is offered only after checking all three.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvshm.transfer.backends.base import CopyBackend, Stream
+from kvshm.transfer.backends.cuda_driver import CudaDriver
+from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.pointers import RowGeometry
+
+DEFAULT_CHUNK_BYTES = 16384
+DEFAULT_NUM_WARPS = 4
+MAX_CHUNKS_PER_COPY = 65535  # CUDA's limit on the grid's second dimension
+
+
+def unmapped_reason(driver: CudaDriver, cpu_geometries: Sequence[RowGeometry]) -> str | None:
+    """Why the GPU cannot address some CPU tensor directly, or None if it can."""
+    for i, geometry in enumerate(cpu_geometries):
+        last = (geometry.num_rows - 1) * geometry.row_stride + geometry.row_width - 1
+        for address in (geometry.base, geometry.base + max(last, 0)):
+            mapped = driver.device_pointer(address)
+            if mapped is None:
+                return f"CPU tensor {i} is not registered with CUDA (pin the region first)"
+            if mapped != address:
+                return f"CPU tensor {i} is mapped at another device address ({mapped:#x})"
+    return None
+
+
+def triton_missing_reason() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"Triton is not installed ({exc})"
+    return None
+
+
+class KernelBackend(CopyBackend):
+    name = "kernel"
+
+    def __init__(
+        self,
+        device: torch.device,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        num_warps: int = DEFAULT_NUM_WARPS,
+    ) -> None:
+        if chunk_bytes < 16 or chunk_bytes & (chunk_bytes - 1):
+            raise ValueError(f"chunk_bytes must be a power of two >= 16, got {chunk_bytes}")
+        from kvshm.transfer.backends.triton_copy import copy_blocks_kernel
+
+        self._kernel: Any = copy_blocks_kernel
+        self._device = device
+        self._chunk = chunk_bytes
+        self._num_warps = num_warps
+
+    def copy(self, batch: CopyBatch, stream: Stream) -> object:
+        if batch.count == 0:
+            return None
+        chunks = -(-int(batch.sizes.max()) // self._chunk)
+        if chunks > MAX_CHUNKS_PER_COPY:
+            raise ValueError(
+                f"a copy of {int(batch.sizes.max())} bytes needs {chunks} chunks of "
+                f"{self._chunk} bytes, more than the grid allows: use a larger chunk_bytes"
+            )
+        # allocated on the job's stream, so the caching allocator reuses it only after the
+        # kernel, in stream order; the pinned source is guarded by torch's host allocator
+        table = torch.empty((3, batch.count), dtype=torch.int64, device=self._device)
+        table.copy_(batch.table, non_blocking=True)
+        grid = (batch.count, chunks)
+        self._kernel[grid](table, batch.count, CHUNK_BYTES=self._chunk, num_warps=self._num_warps)
+        return table

@@ -1,0 +1,48 @@
+"""A job's copies as one descriptor table: source addresses, destination addresses, sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+
+@dataclass(frozen=True)
+class CopyBatch:
+    """table is a (3, count) int64 CPU tensor (pinned when copies run on a GPU): row 0 holds
+    source addresses, row 1 destination addresses, row 2 sizes in bytes. `rows` is the same
+    memory as a numpy array."""
+
+    table: torch.Tensor
+    rows: npt.NDArray[np.int64]
+    total_bytes: int
+
+    @classmethod
+    def allocate(cls, count: int, pinned: bool) -> CopyBatch:
+        table = torch.empty((3, count), dtype=torch.int64, pin_memory=pinned)
+        return cls(table, table.numpy(), 0)
+
+    def with_total(self, total_bytes: int) -> CopyBatch:
+        return CopyBatch(self.table, self.rows, total_bytes)
+
+    @property
+    def count(self) -> int:
+        return int(self.rows.shape[1])
+
+    @property
+    def src(self) -> npt.NDArray[np.int64]:
+        return self.rows[0]
+
+    @property
+    def dst(self) -> npt.NDArray[np.int64]:
+        return self.rows[1]
+
+    @property
+    def sizes(self) -> npt.NDArray[np.int64]:
+        return self.rows[2]
+
+    @property
+    def mean_copy_bytes(self) -> int:
+        return self.total_bytes // self.count if self.count else 0

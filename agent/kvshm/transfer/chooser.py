@@ -1,0 +1,81 @@
+"""Choosing a copy backend per job, by the job's block size and direction, with an override."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvshm.transfer.backends.base import CopyBackend
+from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.errors import BackendUnavailableError
+from kvshm.transfer.metrics import Direction
+
+log = logging.getLogger(__name__)
+
+BACKEND_ENV = "KVSHM_TRANSFER_BACKEND"
+BACKEND_NAMES = ("dma", "kernel", "cpu")
+
+
+def _default_kernel_below() -> dict[Direction, int]:
+    # Measured on an H100 (bench/transfer): see docs/transfer.md for the figures.
+    return {Direction.CPU_TO_GPU: 256 * 1024, Direction.GPU_TO_CPU: 256 * 1024}
+
+
+@dataclass(frozen=True)
+class BackendPolicy:
+    """Use the copy kernel for jobs whose copies average fewer bytes than the direction's
+    threshold, the copy engines otherwise."""
+
+    kernel_below_bytes: Mapping[Direction, int] = field(default_factory=_default_kernel_below)
+
+
+def override_from_env() -> str | None:
+    value = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if not value or value == "auto":
+        return None
+    if value not in BACKEND_NAMES:
+        raise BackendUnavailableError(
+            f"{BACKEND_ENV}={value!r} is not a backend: use one of {', '.join(BACKEND_NAMES)} "
+            f"or auto"
+        )
+    return value
+
+
+class BackendChooser:
+    """Holds the backends one handler may use and picks one per job."""
+
+    def __init__(
+        self,
+        backends: Mapping[str, CopyBackend],
+        unavailable: Mapping[str, str],
+        direction: Direction,
+        policy: BackendPolicy,
+        override: str | None,
+    ) -> None:
+        if override is not None and override not in backends:
+            reason = unavailable.get(override, f"known backends are {', '.join(BACKEND_NAMES)}")
+            raise BackendUnavailableError(f"copy backend {override!r} cannot be used: {reason}")
+        if not backends:
+            raise BackendUnavailableError(f"no copy backend can run here: {dict(unavailable)}")
+        self._backends = dict(backends)
+        self._direction = direction
+        self._kernel_below = policy.kernel_below_bytes.get(direction, 0)
+        self._override = override
+        for name, reason in unavailable.items():
+            log.info("copy backend %s not used for %s: %s", name, direction.value, reason)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._backends)
+
+    def choose(self, batch: CopyBatch) -> CopyBackend:
+        if self._override is not None:
+            return self._backends[self._override]
+        if "cpu" in self._backends:
+            return self._backends["cpu"]
+        kernel = self._backends.get("kernel")
+        if kernel is not None and batch.mean_copy_bytes < self._kernel_below:
+            return kernel
+        return self._backends["dma"]

@@ -1,0 +1,173 @@
+"""SingleDirectionOffloadingHandler: vLLM's in-order transfer handler for one direction."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from kvshm.transfer.backends.factory import BackendOptions, build_backends
+from kvshm.transfer.chooser import BackendChooser, BackendPolicy, override_from_env
+from kvshm.transfer.errors import HandlerClosedError, InvalidTransferSpecError
+from kvshm.transfer.metrics import Direction, TransferMetrics
+from kvshm.transfer.plan import JobPlanner
+from kvshm.transfer.specs import (
+    CPU_MEDIUM,
+    GPU_MEDIUM,
+    CanonicalKVCacheRef,
+    TransferResult,
+    TransferSpec,
+)
+from kvshm.transfer.tensors import check_group_refs, check_tensors
+from kvshm.transfer.timeline import CpuTimeline, Ticket, Timeline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    job_id: int
+    ticket: Ticket
+    size_bytes: int
+    reported: bool
+    """False for a job whose launch failed: transfer_async returned False for it, so it is
+    never reported, but it stays in the chain until its issued copies are done."""
+
+
+def _timeline_for(device: torch.device) -> Timeline:
+    if device.type == "cpu":
+        return CpuTimeline()
+    from kvshm.transfer.cuda_timeline import CudaTimeline
+
+    return CudaTimeline(device)
+
+
+class SingleDirectionOffloadingHandler:
+    """Moves KV blocks one way (GPU->CPU or CPU->GPU) between matching tensor lists.
+
+    Jobs run in submission order, each after the previous one finished; a GPU->CPU job also
+    waits for the work queued on the caller's current stream. With CPU tensors as the "GPU"
+    tensors the handler runs on the CPU backend (for tests without a GPU).
+
+    backend forces one backend ("dma", "kernel" or "cpu"; default: $KVSHM_TRANSFER_BACKEND,
+    else chosen per job by block size and direction).
+    """
+
+    def __init__(
+        self,
+        gpu_tensors: Sequence[torch.Tensor],
+        cpu_tensors: Sequence[torch.Tensor],
+        block_size_factor: int,
+        kv_cache_groups_data_refs: Sequence[Sequence[CanonicalKVCacheRef]],
+        gpu_to_cpu: bool,
+        *,
+        backend: str | None = None,
+        options: BackendOptions | None = None,
+        policy: BackendPolicy | None = None,
+    ) -> None:
+        pairs = check_tensors(gpu_tensors, cpu_tensors, block_size_factor)
+        self.kv_cache_groups_data_refs = check_group_refs(kv_cache_groups_data_refs, pairs)
+        self.gpu_to_cpu = bool(gpu_to_cpu)
+        self.direction = Direction.GPU_TO_CPU if self.gpu_to_cpu else Direction.CPU_TO_GPU
+        self.transfer_type = (GPU_MEDIUM, CPU_MEDIUM) if gpu_to_cpu else (CPU_MEDIUM, GPU_MEDIUM)
+        self.device = pairs.device
+        self._planner = JobPlanner(
+            pairs.gpu, pairs.cpu, block_size_factor, self.kv_cache_groups_data_refs, gpu_to_cpu
+        )
+        backends, unavailable = build_backends(
+            pairs, self.kv_cache_groups_data_refs, self.gpu_to_cpu, options or BackendOptions()
+        )
+        self._chooser = BackendChooser(
+            backends,
+            unavailable,
+            self.direction,
+            policy or BackendPolicy(),
+            backend if backend is not None else override_from_env(),
+        )
+        self._pinned_tables = pairs.device.type == "cuda"
+        self._timeline = _timeline_for(pairs.device)
+        self._metrics = TransferMetrics(self.direction)
+        self._jobs: deque[_Job] = deque()
+        self._pending: dict[int, _Job] = {}
+        self._closed = False
+
+    @property
+    def backends(self) -> list[str]:
+        """Names of the backends this handler may choose from."""
+        return self._chooser.names
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        """Queue a job; True once its copies are issued, False if issuing them failed.
+
+        A spec that does not describe a valid transfer raises InvalidTransferSpecError and
+        queues nothing.
+        """
+        if self._closed:
+            raise HandlerClosedError(f"job {job_id}: the handler was shut down")
+        if job_id in self._pending:
+            raise InvalidTransferSpecError(
+                f"job {job_id} is still in flight: job ids must be unique until finished"
+            )
+        batch = self._planner.plan(spec, pinned=self._pinned_tables)
+        backend = self._chooser.choose(batch)
+        ticket = self._timeline.launch(partial(backend.copy, batch), self.gpu_to_cpu)
+        job = _Job(job_id, ticket, batch.total_bytes, reported=ticket.error is None)
+        self._jobs.append(job)
+        if job.reported:
+            self._pending[job_id] = job
+            return True
+        log.error(
+            "transfer job %d (%s, %s backend) failed to launch: %s",
+            job_id,
+            self.direction.value,
+            backend.name,
+            ticket.error,
+        )
+        self._metrics.failed()
+        return False
+
+    def get_finished(self) -> list[TransferResult]:
+        """Results of the jobs finished since the last call, in submission order."""
+        results = []
+        while self._jobs and self._jobs[0].ticket.done():
+            result = self._retire(self._jobs.popleft())
+            if result is not None:
+                results.append(result)
+        return results
+
+    def _retire(self, job: _Job) -> TransferResult | None:
+        ticket = job.ticket
+        seconds = ticket.seconds()
+        self._timeline.release(ticket)
+        if not job.reported:
+            return None
+        del self._pending[job.job_id]
+        success = ticket.error is None
+        if success:
+            self._metrics.finished(job.size_bytes, seconds)
+        else:
+            log.error("transfer job %d failed: %s", job.job_id, ticket.error)
+            self._metrics.failed()
+        return TransferResult(job.job_id, success, job.size_bytes, seconds, self.transfer_type)
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until the given jobs are done (ids not in flight are ignored)."""
+        for job_id in job_ids:
+            job = self._pending.get(job_id)
+            if job is not None:
+                job.ticket.synchronize()
+
+    def shutdown(self) -> None:
+        """Wait for every job and release streams, events and threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        while self._jobs:
+            job = self._jobs.popleft()
+            job.ticket.synchronize()
+            self._retire(job)
+        self._timeline.close()
