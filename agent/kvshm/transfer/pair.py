@@ -38,6 +38,7 @@ class CpuGpuOffloadingHandlers:
         if pin and device.type == "cuda" and not region.is_pinned:
             region.pin()
         self.region = region
+        self.gpu_tensors = list(gpu_tensors)
         self.cpu_tensors = [
             region.create_next_view(tensor.shape[1] * block_size_factor) for tensor in gpu_tensors
         ]

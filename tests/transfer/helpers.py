@@ -1,0 +1,79 @@
+"""Shared test helpers: regions in a temporary directory and where a job's bytes must land."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvshm.region import SharedOffloadRegion
+from kvshm.transfer import CanonicalKVCacheRef
+
+
+def open_region(
+    directory: str,
+    rank: int | None,
+    num_blocks: int,
+    cpu_page_size: int,
+    num_workers: int,
+    instance_id: str | None = None,
+) -> SharedOffloadRegion:
+    return SharedOffloadRegion(
+        instance_id or f"t-{uuid.uuid4().hex[:12]}",
+        num_blocks * cpu_page_size * num_workers,
+        num_blocks,
+        rank,
+        num_workers,
+        cpu_page_size,
+        directory=directory,
+    )
+
+
+def region_bytes(region: SharedOffloadRegion) -> np.ndarray:
+    """The whole region as a writable (num_blocks, row_stride) uint8 array (no copy)."""
+    return np.asarray(region.create_kv_memoryview())
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One copy of a job: GPU block `gpu_id` of tensor `tensor` <-> slot `slot` of CPU block
+    `cpu_id` of the same tensor's CPU view, `size` bytes."""
+
+    tensor: int
+    gpu_id: int
+    cpu_id: int
+    slot: int
+    size: int
+
+
+def placements(
+    gpu_ids: Sequence[int],
+    cpu_ids: Sequence[int],
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    group_refs: Sequence[Sequence[CanonicalKVCacheRef]],
+    factor: int,
+) -> Iterator[Placement]:
+    """Where each GPU block of a job goes, from logical positions: group g covers request
+    positions [start, start + size); position p sits in slot p % factor of the group's
+    (p // factor - start // factor)-th CPU block."""
+    gpu_at = cpu_at = 0
+    for size, start, refs in zip(group_sizes, block_indices, group_refs, strict=True):
+        if size == 0:
+            continue
+        first_block = start // factor
+        for k in range(size):
+            position = start + k
+            cpu_id = cpu_ids[cpu_at + position // factor - first_block]
+            for ref in refs:
+                yield Placement(
+                    ref.tensor_idx,
+                    gpu_ids[gpu_at + k],
+                    cpu_id,
+                    position % factor,
+                    ref.page_size_bytes,
+                )
+        gpu_at += size
+        cpu_at += (start + size - 1) // factor - first_block + 1

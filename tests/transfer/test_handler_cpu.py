@@ -1,0 +1,290 @@
+"""The handler's contract on the CPU backend: placement, order, results, wait and shutdown."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from kvshm.region import SharedOffloadRegion
+from kvshm.transfer import (
+    CanonicalKVCacheRef,
+    CpuGpuOffloadingHandlers,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    HandlerClosedError,
+    TransferResult,
+)
+from kvshm.transfer.backends.cpu import CpuMemmoveBackend
+from kvshm.transfer.batch import CopyBatch
+
+from .helpers import open_region, placements, region_bytes
+
+FACTOR = 4
+GPU_PAGE = 64
+NUM_GPU_BLOCKS = 40
+NUM_CPU_BLOCKS = 24
+CELL = 3 * GPU_PAGE * FACTOR + 32  # three tensors and some slack: row stride != row width
+REFS = [
+    [CanonicalKVCacheRef(0, GPU_PAGE), CanonicalKVCacheRef(1, GPU_PAGE)],
+    [CanonicalKVCacheRef(2, 48)],  # a page smaller than the block: the rest stays untouched
+    [CanonicalKVCacheRef(1, GPU_PAGE)],
+]
+# group 0 starts 3 positions into its first CPU block and ends mid-block, group 1 starts
+# 1 in, group 2 moves nothing
+GROUP_SIZES = [6, 5, 0]
+BLOCK_INDICES = [3, 5, 2]
+CPU_BLOCKS_USED = 3 + 2
+POISON = 0x5A
+
+
+@pytest.fixture
+def region(tmp_path: object) -> Iterator[SharedOffloadRegion]:
+    with open_region(str(tmp_path), 2, NUM_CPU_BLOCKS, CELL, num_workers=4) as region:
+        region_bytes(region)[:] = POISON
+        yield region
+
+
+@pytest.fixture
+def pair(region: SharedOffloadRegion) -> Iterator[CpuGpuOffloadingHandlers]:
+    gpu = [torch.randint(-128, 128, (NUM_GPU_BLOCKS, GPU_PAGE), dtype=torch.int8) for _ in range(3)]
+    handlers = CpuGpuOffloadingHandlers(gpu, region, FACTOR, REFS)
+    yield handlers
+    handlers.shutdown()
+
+
+def random_ids(rng: np.random.Generator, high: int, count: int) -> np.ndarray:
+    return rng.choice(high, size=count, replace=False).astype(np.int64)
+
+
+def store_spec(gpu_ids: np.ndarray, cpu_ids: np.ndarray) -> tuple[object, object]:
+    return GPULoadStoreSpec(gpu_ids, GROUP_SIZES, BLOCK_INDICES), CPULoadStoreSpec(cpu_ids)
+
+
+def finish(handler: object, job_ids: list[int]) -> list[TransferResult]:
+    handler.wait(job_ids)  # type: ignore[attr-defined]
+    return handler.get_finished()  # type: ignore[attr-defined, no-any-return]
+
+
+def test_store_places_every_byte_and_nothing_else(
+    pair: CpuGpuOffloadingHandlers, region: SharedOffloadRegion
+) -> None:
+    rng = np.random.default_rng(1)
+    gpu_ids = random_ids(rng, NUM_GPU_BLOCKS, sum(GROUP_SIZES))
+    cpu_ids = random_ids(rng, NUM_CPU_BLOCKS, CPU_BLOCKS_USED)
+    expected = region_bytes(region).copy()
+    cell_start = 2 * CELL  # rank 2
+    for p in placements(gpu_ids, cpu_ids, GROUP_SIZES, BLOCK_INDICES, REFS, FACTOR):
+        at = cell_start + p.tensor * GPU_PAGE * FACTOR + p.slot * GPU_PAGE
+        source = pair.gpu_tensors[p.tensor][p.gpu_id, : p.size].numpy().view(np.uint8)
+        expected[p.cpu_id, at : at + p.size] = source
+
+    assert pair.gpu_to_cpu_handler.transfer_async(7, store_spec(gpu_ids, cpu_ids))
+    [result] = finish(pair.gpu_to_cpu_handler, [7])
+
+    assert result == TransferResult(
+        7, True, 6 * 64 * 2 + 5 * 48, result.transfer_time, ("GPU", "CPU")
+    )
+    assert result.transfer_time is not None and result.transfer_time >= 0
+    np.testing.assert_array_equal(region_bytes(region), expected)
+
+
+def test_load_brings_back_what_was_stored(pair: CpuGpuOffloadingHandlers) -> None:
+    rng = np.random.default_rng(2)
+    cpu_ids = random_ids(rng, NUM_CPU_BLOCKS, CPU_BLOCKS_USED)
+    stored_from = random_ids(rng, NUM_GPU_BLOCKS, sum(GROUP_SIZES))
+    assert pair.gpu_to_cpu_handler.transfer_async(1, store_spec(stored_from, cpu_ids))
+    finish(pair.gpu_to_cpu_handler, [1])
+    originals = [t.clone() for t in pair.gpu_tensors]
+    for tensor in pair.gpu_tensors:
+        tensor.fill_(0x33)
+
+    load_to = random_ids(rng, NUM_GPU_BLOCKS, sum(GROUP_SIZES))
+    spec = (CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(load_to, GROUP_SIZES, BLOCK_INDICES))
+    assert pair.cpu_to_gpu_handler.transfer_async(2, spec)
+    [result] = finish(pair.cpu_to_gpu_handler, [2])
+
+    assert result.success and result.transfer_type == ("CPU", "GPU")
+    expected = [torch.full_like(t, 0x33) for t in originals]
+    moves = zip(
+        placements(stored_from, cpu_ids, GROUP_SIZES, BLOCK_INDICES, REFS, FACTOR),
+        placements(load_to, cpu_ids, GROUP_SIZES, BLOCK_INDICES, REFS, FACTOR),
+        strict=True,
+    )
+    for stored, loaded in moves:
+        source = originals[stored.tensor][stored.gpu_id, : stored.size]
+        expected[loaded.tensor][loaded.gpu_id, : loaded.size] = source
+    for got, want in zip(pair.gpu_tensors, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_other_workers_cells_are_never_touched(tmp_path: object) -> None:
+    """Four ranks attach one region and store their own data: the rows interleave exactly."""
+    ranks = [open_region(str(tmp_path), r, 8, 2 * 32, 4, instance_id="shared") for r in range(4)]
+    try:
+        refs = [[CanonicalKVCacheRef(0, 32), CanonicalKVCacheRef(1, 32)]]
+        data = {}
+        for region in ranks:
+            gpu = [torch.randint(-128, 128, (8, 32), dtype=torch.int8) for _ in range(2)]
+            data[region.rank] = gpu
+            pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs)
+            ids = np.arange(8)
+            pair.gpu_to_cpu_handler.transfer_async(
+                0, (GPULoadStoreSpec(ids, [8], [0]), CPULoadStoreSpec(ids))
+            )
+            pair.shutdown()
+        rows = region_bytes(ranks[0])
+        for rank, (k, v) in data.items():
+            cell = rows[:, rank * 64 : (rank + 1) * 64]
+            np.testing.assert_array_equal(cell[:, :32], k.numpy().view(np.uint8))
+            np.testing.assert_array_equal(cell[:, 32:], v.numpy().view(np.uint8))
+    finally:
+        for region in reversed(ranks):
+            region.cleanup()
+
+
+class Gate:
+    """Holds every CPU copy until opened, so tests can look at jobs in flight."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.opened = threading.Event()
+        self.started: list[int] = []
+        original = CpuMemmoveBackend.copy
+
+        def gated(backend: CpuMemmoveBackend, batch: CopyBatch, stream: object) -> None:
+            self.started.append(batch.count)
+            self.opened.wait(timeout=30)
+            original(backend, batch, stream)
+
+        monkeypatch.setattr(CpuMemmoveBackend, "copy", gated)
+
+
+def one_block_spec(gpu_id: int, cpu_id: int) -> tuple[object, object]:
+    return (
+        GPULoadStoreSpec([gpu_id], [1, 0, 0], [0, 0, 0]),
+        CPULoadStoreSpec([cpu_id]),
+    )
+
+
+def test_jobs_finish_in_submission_order(
+    pair: CpuGpuOffloadingHandlers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = Gate(monkeypatch)
+    handler = pair.gpu_to_cpu_handler
+    for job_id in (30, 10, 20):
+        assert handler.transfer_async(job_id, one_block_spec(job_id // 10, job_id // 10))
+    assert handler.get_finished() == []
+
+    gate.opened.set()
+    handler.wait([20])
+    results = handler.get_finished()
+
+    assert [r.job_id for r in results] == [30, 10, 20]
+    assert all(r.success and r.transfer_size == 2 * GPU_PAGE for r in results)
+    assert handler.get_finished() == []
+
+
+def test_wait_blocks_until_the_job_is_done_and_ignores_unknown_ids(
+    pair: CpuGpuOffloadingHandlers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = Gate(monkeypatch)
+    handler = pair.gpu_to_cpu_handler
+    handler.transfer_async(1, one_block_spec(0, 0))
+    threading.Timer(0.2, gate.opened.set).start()
+    handler.wait([999, 1])
+    assert gate.opened.is_set()
+    assert [r.job_id for r in handler.get_finished()] == [1]
+    handler.wait([1])  # finished and collected: nothing to wait for
+
+
+def test_shutdown_waits_for_all_jobs_then_refuses_new_ones(
+    pair: CpuGpuOffloadingHandlers, region: SharedOffloadRegion, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = Gate(monkeypatch)
+    handler = pair.gpu_to_cpu_handler
+    for job_id in range(3):
+        handler.transfer_async(job_id, one_block_spec(job_id, job_id))
+    threading.Timer(0.2, gate.opened.set).start()
+    handler.shutdown()
+    assert gate.started == [2, 2, 2]
+    rows = region_bytes(region)
+    for block in range(3):  # the last job's bytes are in the region
+        at = 2 * CELL
+        stored = rows[block, at : at + GPU_PAGE]
+        np.testing.assert_array_equal(stored, pair.gpu_tensors[0][block].numpy().view(np.uint8))
+    with pytest.raises(HandlerClosedError, match="shut down"):
+        handler.transfer_async(5, one_block_spec(0, 0))
+    handler.shutdown()  # idempotent
+
+
+def sample(name: str, direction: str) -> float:
+    return REGISTRY.get_sample_value(name, {"direction": direction}) or 0.0
+
+
+def test_a_failed_job_is_reported_and_counted_and_the_next_one_runs(
+    pair: CpuGpuOffloadingHandlers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = CpuMemmoveBackend.copy
+
+    def fail_job_two(backend: CpuMemmoveBackend, batch: CopyBatch, stream: object) -> None:
+        if batch.src[0] == pair.gpu_tensors[0][2].data_ptr():
+            raise OSError("simulated copy failure")
+        original(backend, batch, stream)
+
+    monkeypatch.setattr(CpuMemmoveBackend, "copy", fail_job_two)
+    handler = pair.gpu_to_cpu_handler
+    failures = sample("kvshm_transfer_failures_total", "gpu_to_cpu")
+    jobs = sample("kvshm_transfer_jobs_total", "gpu_to_cpu")
+    moved = sample("kvshm_transfer_bytes_total", "gpu_to_cpu")
+    for job_id in (1, 2, 3):
+        assert handler.transfer_async(job_id, one_block_spec(job_id, job_id))
+    results = finish(handler, [3])
+
+    assert [(r.job_id, r.success) for r in results] == [(1, True), (2, False), (3, True)]
+    assert sample("kvshm_transfer_failures_total", "gpu_to_cpu") == failures + 1
+    assert sample("kvshm_transfer_jobs_total", "gpu_to_cpu") == jobs + 2
+    assert sample("kvshm_transfer_bytes_total", "gpu_to_cpu") == moved + 2 * 2 * GPU_PAGE
+
+
+def test_metrics_count_bytes_seconds_and_sizes_per_direction(
+    pair: CpuGpuOffloadingHandlers,
+) -> None:
+    before = {
+        name: sample(name, "cpu_to_gpu")
+        for name in (
+            "kvshm_transfer_bytes_total",
+            "kvshm_transfer_jobs_total",
+            "kvshm_transfer_size_bytes_count",
+            "kvshm_transfer_size_bytes_sum",
+        )
+    }
+    spec = (CPULoadStoreSpec([4]), GPULoadStoreSpec([9], [1, 0, 0], [0, 0, 0]))
+    pair.cpu_to_gpu_handler.transfer_async(1, spec)
+    finish(pair.cpu_to_gpu_handler, [1])
+    assert (
+        sample("kvshm_transfer_bytes_total", "cpu_to_gpu")
+        == before["kvshm_transfer_bytes_total"] + 128
+    )
+    assert (
+        sample("kvshm_transfer_jobs_total", "cpu_to_gpu") == before["kvshm_transfer_jobs_total"] + 1
+    )
+    assert (
+        sample("kvshm_transfer_size_bytes_count", "cpu_to_gpu")
+        == before["kvshm_transfer_size_bytes_count"] + 1
+    )
+    assert (
+        sample("kvshm_transfer_size_bytes_sum", "cpu_to_gpu")
+        == before["kvshm_transfer_size_bytes_sum"] + 128
+    )
+    assert sample("kvshm_transfer_seconds_total", "cpu_to_gpu") > 0
+
+
+def test_an_empty_job_finishes_with_zero_bytes(pair: CpuGpuOffloadingHandlers) -> None:
+    spec = (GPULoadStoreSpec([], [0, 0, 0], [0, 0, 0]), CPULoadStoreSpec([]))
+    assert pair.gpu_to_cpu_handler.transfer_async(4, spec)
+    [result] = finish(pair.gpu_to_cpu_handler, [4])
+    assert (result.job_id, result.success, result.transfer_size) == (4, True, 0)
