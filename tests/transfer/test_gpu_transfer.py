@@ -1,0 +1,214 @@
+"""GPU round trips through a pinned 4-worker region, for every backend and block size."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvshm.region import SharedOffloadRegion
+from kvshm.transfer import (
+    BackendOptions,
+    BackendUnavailableError,
+    CanonicalKVCacheRef,
+    CpuGpuOffloadingHandlers,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+)
+
+from .helpers import open_region, placements, region_bytes
+
+pytestmark = pytest.mark.gpu
+
+SHM = "/dev/shm"
+KIB = 1024
+BLOCK_SIZES = [16 * KIB, 64 * KIB, 256 * KIB, 1024 * KIB, 2048 * KIB]
+BACKENDS: dict[str, dict[str, Any]] = {
+    "dma": {"backend": "dma"},
+    "dma-each": {"backend": "dma", "options": BackendOptions(use_batch_call=False)},
+    "kernel": {"backend": "kernel"},
+    "auto": {},
+}
+
+
+@pytest.fixture
+def regions(request: pytest.FixtureRequest) -> Iterator[list[SharedOffloadRegion]]:
+    """Four ranks of one region, each attached (and pinned) like a worker process would."""
+    num_blocks, cell = request.param
+    instance = f"gpu-{uuid.uuid4().hex[:12]}"
+    opened = [open_region(SHM, r, num_blocks, cell, 4, instance_id=instance) for r in range(4)]
+    yield opened
+    for region in reversed(opened):
+        region.cleanup()
+
+
+def random_block_data(blocks: int, width: int, count: int) -> list[torch.Tensor]:
+    return [
+        torch.randint(-128, 128, (blocks, width), dtype=torch.int8, device="cuda")
+        for _ in range(count)
+    ]
+
+
+def run(handler: Any, job_id: int, spec: Any) -> None:
+    assert handler.transfer_async(job_id, spec)
+    handler.wait([job_id])
+    [result] = handler.get_finished()
+    assert (result.job_id, result.success) == (job_id, True)
+
+
+def region_params(block: int) -> tuple[int, int]:
+    return max(8, min(128, 32 * 1024 * KIB // (8 * block))), 2 * block
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize(
+    ("block", "regions"),
+    [(b, region_params(b)) for b in BLOCK_SIZES],
+    indirect=["regions"],
+    ids=[f"{b // KIB}KiB" for b in BLOCK_SIZES],
+)
+def test_round_trip_is_byte_exact(
+    backend: str, block: int, regions: list[SharedOffloadRegion]
+) -> None:
+    num_blocks = regions[0].layout.num_blocks
+    refs = [[CanonicalKVCacheRef(0, block), CanonicalKVCacheRef(1, block)]]
+    rng = np.random.default_rng(block)
+    workers = []
+    for region in regions:
+        gpu = random_block_data(num_blocks + 8, block, 2)
+        pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, **BACKENDS[backend])
+        assert region.is_pinned
+        gpu_ids = rng.permutation(num_blocks + 8)[:num_blocks]
+        cpu_ids = rng.permutation(num_blocks)
+        spec = (GPULoadStoreSpec(gpu_ids, [num_blocks], [0]), CPULoadStoreSpec(cpu_ids))
+        run(pair.gpu_to_cpu_handler, 1, spec)
+        workers.append((pair, gpu, gpu_ids, cpu_ids))
+
+    rows = region_bytes(regions[0])
+    for rank, (_, gpu, gpu_ids, cpu_ids) in enumerate(workers):
+        cell = rows[cpu_ids, rank * 2 * block : (rank + 1) * 2 * block]
+        for t in range(2):
+            sent = gpu[t][torch.from_numpy(gpu_ids).cuda()].cpu().numpy().view(np.uint8)
+            assert np.array_equal(cell[:, t * block : (t + 1) * block], sent), (rank, t)
+
+    for pair, gpu, gpu_ids, cpu_ids in workers:
+        originals = [t[torch.from_numpy(gpu_ids).cuda()].clone() for t in gpu]
+        for tensor in gpu:
+            tensor.fill_(0x33)
+        load_to = rng.permutation(num_blocks + 8)[:num_blocks]
+        spec = (CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(load_to, [num_blocks], [0]))
+        run(pair.cpu_to_gpu_handler, 2, spec)
+        for tensor, original in zip(gpu, originals, strict=True):
+            assert torch.equal(tensor[torch.from_numpy(load_to).cuda()], original)
+            untouched = np.setdiff1d(np.arange(num_blocks + 8), load_to)
+            assert bool((tensor[torch.from_numpy(untouched).cuda()] == 0x33).all())
+        pair.shutdown()
+
+
+GROUP_REFS = [
+    [CanonicalKVCacheRef(0, 4096), CanonicalKVCacheRef(1, 4096)],
+    [CanonicalKVCacheRef(2, 2048)],
+]
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("regions", [(24, 3 * 4 * 4096 + 4096)], indirect=True)
+def test_groups_with_partial_cpu_blocks(backend: str, regions: list[SharedOffloadRegion]) -> None:
+    factor, sizes, starts = 4, [6, 5], [3, 5]
+    region = regions[1]
+    gpu = random_block_data(40, 4096, 3)
+    pair = CpuGpuOffloadingHandlers(gpu, region, factor, GROUP_REFS, **BACKENDS[backend])
+    rng = np.random.default_rng(7)
+    gpu_ids = rng.permutation(40)[:11]
+    cpu_ids = rng.permutation(24)[:5]
+    before = region_bytes(region).copy()
+    run(
+        pair.gpu_to_cpu_handler,
+        1,
+        (GPULoadStoreSpec(gpu_ids, sizes, starts), CPULoadStoreSpec(cpu_ids)),
+    )
+
+    expected = before
+    host = [t.cpu().numpy().view(np.uint8) for t in gpu]
+    for p in placements(gpu_ids, cpu_ids, sizes, starts, GROUP_REFS, factor):
+        at = region.layout.cpu_page_size + p.tensor * 4 * 4096 + p.slot * 4096
+        expected[p.cpu_id, at : at + p.size] = host[p.tensor][p.gpu_id, : p.size]
+    assert np.array_equal(region_bytes(region), expected)
+
+    for tensor in gpu:
+        tensor.zero_()
+    run(
+        pair.cpu_to_gpu_handler,
+        2,
+        (CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(gpu_ids, sizes, starts)),
+    )
+    for p in placements(gpu_ids, cpu_ids, sizes, starts, GROUP_REFS, factor):
+        got = gpu[p.tensor][p.gpu_id].cpu().numpy().view(np.uint8)
+        assert np.array_equal(got[: p.size], host[p.tensor][p.gpu_id, : p.size])
+        assert not got[p.size :].any()
+    pair.shutdown()
+
+
+@pytest.mark.parametrize("regions", [(64, 1024 * KIB)], indirect=True)
+def test_jobs_finish_in_order_while_another_stream_computes(
+    regions: list[SharedOffloadRegion],
+) -> None:
+    region = regions[0]
+    block = 1024 * KIB
+    gpu = random_block_data(64, block, 1)
+    pair = CpuGpuOffloadingHandlers(gpu, region, 1, [[CanonicalKVCacheRef(0, block)]])
+    compute = torch.cuda.Stream()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    fresh = torch.randint(-128, 128, (8, block), dtype=torch.int8, device="cuda")
+    with torch.cuda.stream(compute):
+        for _ in range(100):  # about 0.1 s of matrix products
+            torch.mm(a, a)
+        gpu[0][:8].copy_(fresh)  # written by the compute stream, after all that
+        for job in range(8):  # submitted with the compute stream current
+            spec = (GPULoadStoreSpec([job], [1], [0]), CPULoadStoreSpec([job]))
+            assert pair.gpu_to_cpu_handler.transfer_async(job, spec)
+    assert pair.gpu_to_cpu_handler.get_finished() == []  # still behind the compute stream
+    finished: list[int] = []
+    while len(finished) < 8:
+        finished += [r.job_id for r in pair.gpu_to_cpu_handler.get_finished()]
+    assert finished == list(range(8))
+    rows = region_bytes(region)
+    assert np.array_equal(rows[:8, :block], fresh.cpu().numpy().view(np.uint8))
+
+    # loads: each job overwrites GPU block 0; only in-order execution leaves the last one there
+    load = pair.cpu_to_gpu_handler
+    with torch.cuda.stream(compute):
+        for _ in range(50):
+            torch.mm(a, a)
+    for job in range(8):
+        assert load.transfer_async(
+            100 + job, (CPULoadStoreSpec([job]), GPULoadStoreSpec([0], [1], [0]))
+        )
+    load.wait([107])
+    assert [r.job_id for r in load.get_finished()] == [100 + j for j in range(8)]
+    assert torch.equal(gpu[0][0], fresh[7])
+    pair.shutdown()
+
+
+@pytest.mark.parametrize("regions", [(8, 64 * KIB)], indirect=True)
+def test_unpinned_region_copies_by_dma_and_refuses_the_kernel(
+    regions: list[SharedOffloadRegion],
+) -> None:
+    region = regions[0]
+    gpu = random_block_data(8, 64 * KIB, 1)
+    refs = [[CanonicalKVCacheRef(0, 64 * KIB)]]
+    with pytest.raises(BackendUnavailableError, match="not registered with CUDA"):
+        CpuGpuOffloadingHandlers(gpu, region, 1, refs, pin=False, backend="kernel")
+    other = regions[1]
+    pair = CpuGpuOffloadingHandlers(gpu, other, 1, refs, pin=False)
+    assert not other.is_pinned
+    assert pair.gpu_to_cpu_handler.backends == ["dma"]
+    ids = np.arange(8)
+    run(pair.gpu_to_cpu_handler, 1, (GPULoadStoreSpec(ids, [8], [0]), CPULoadStoreSpec(ids)))
+    rows = region_bytes(other)
+    assert np.array_equal(rows[:, 64 * KIB : 128 * KIB], gpu[0].cpu().numpy().view(np.uint8))
+    pair.shutdown()

@@ -1,0 +1,53 @@
+"""One worker of the two-GPU test: attach the region as `rank` on GPU `rank`, store its cells.
+
+Run as a script: python two_gpu_worker.py DIRECTORY INSTANCE RANK NUM_BLOCKS BLOCK_BYTES
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+from kvshm.region import OpenMode, SharedOffloadRegion
+from kvshm.transfer import (
+    CanonicalKVCacheRef,
+    CpuGpuOffloadingHandlers,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+)
+
+
+def worker_data(rank: int, num_blocks: int, block: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return torch.randint(-128, 128, (num_blocks, block), dtype=torch.int8, generator=generator)
+
+
+def main(directory: str, instance: str, rank: int, num_blocks: int, block: int) -> None:
+    torch.cuda.set_device(rank)
+    region = SharedOffloadRegion(
+        instance,
+        num_blocks * block * 2,
+        num_blocks,
+        rank,
+        2,
+        block,
+        directory=directory,
+        mode=OpenMode.ATTACH,
+    )
+    with region:
+        gpu = [worker_data(rank, num_blocks, block).cuda()]
+        pair = CpuGpuOffloadingHandlers(gpu, region, 1, [[CanonicalKVCacheRef(0, block)]])
+        ids = np.arange(num_blocks)
+        spec = (GPULoadStoreSpec(ids[::-1].copy(), [num_blocks], [0]), CPULoadStoreSpec(ids))
+        assert pair.gpu_to_cpu_handler.transfer_async(1, spec)
+        pair.gpu_to_cpu_handler.wait([1])
+        [result] = pair.gpu_to_cpu_handler.get_finished()
+        assert result.success
+        pair.shutdown()
+    print(f"rank {rank} stored {result.transfer_size} bytes on {torch.cuda.get_device_name(rank)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
