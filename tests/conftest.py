@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+# The Kubernetes API emulator's fixtures (kube_api, kubeconfig) for every test directory.
+pytest_plugins = ("tests.kube.fixtures",)
+
 CUDA_SKIP_REASON = "needs a CUDA device"
 
 
@@ -27,19 +30,23 @@ def cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if cuda_available():
-        return
-    skip_gpu = pytest.mark.skip(reason=CUDA_SKIP_REASON)
+    # "gpu" tests need CUDA; "no_cuda" tests check what happens without it. Either kind skips
+    # on the other kind of machine, and only those skips are allowed.
+    skip_marker, skip = (
+        ("no_cuda", pytest.mark.skip(reason="needs a machine without CUDA"))
+        if cuda_available()
+        else ("gpu", pytest.mark.skip(reason=CUDA_SKIP_REASON))
+    )
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        if skip_marker in item.keywords:
+            item.add_marker(skip)
 
 
 _unexpected_skips: list[str] = []
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.skipped and "gpu" not in report.keywords:
+    if report.skipped and not ({"gpu", "no_cuda"} & set(report.keywords)):
         _unexpected_skips.append(report.nodeid)
 
 

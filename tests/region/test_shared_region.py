@@ -321,13 +321,12 @@ def test_progress_is_reported(shm_dir: Path) -> None:
     assert seen and max(seen) == SIZE
 
 
+@pytest.mark.no_cuda
 def test_pin_without_cuda_warns_and_goes_on(
     shm_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from kvshm.region import pin_mmap_region
 
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: tests/region/test_pinning_gpu.py covers it")
     with open_region(shm_dir) as region:
         assert pin_mmap_region(region) is False
         assert not region.is_pinned

@@ -250,6 +250,11 @@ class SharedOffloadRegion:
             ) from exc
         self.populate_seconds = time.monotonic() - started
 
+    def _map_all_pages(self) -> None:
+        Populator(
+            self.address, self._fd, threads=self._populate_threads, method=self._populate_method
+        ).populate([(0, self.layout.size_bytes)])
+
     def resident_bytes(self) -> int:
         return memory.resident_bytes(self.address, self.layout.size_bytes)
 
@@ -289,6 +294,14 @@ class SharedOffloadRegion:
         cudart, reason = cuda_runtime()
         if cudart is None:
             log.warning("region %s not pinned: %s; copies will be slower", self.mmap_path, reason)
+            return False
+        # Map every page into this process in parallel first: cudaHostRegister faults pages
+        # in one thread, and an attacher of an agent-populated region has no page-table
+        # entries yet (measured: halves registration time of 16 GiB on 4 KiB pages).
+        try:
+            self._map_all_pages()
+        except OSError as exc:
+            log.warning("region %s not pinned: %s; copies will be slower", self.mmap_path, exc)
             return False
         registration = CudaRegistration(
             cudart, self.address, self.layout.row_aligned_chunks(max_chunk_bytes)
