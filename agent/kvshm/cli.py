@@ -1,0 +1,34 @@
+"""`kvshm`: the command-line entry point for people (the agent and operator have their own)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvshm.region import RegionError
+from kvshm.region.demo import add_demo_arguments, run_demo, run_demo_worker
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvshm", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser(
+        "demo",
+        help="create, populate and lock a region, attach one process per worker, report timings",
+    )
+    add_demo_arguments(demo)
+    worker = commands.add_parser("demo-worker", help=argparse.SUPPRESS)
+    worker.add_argument("spec")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "demo-worker":
+            return run_demo_worker(args.spec)
+        return run_demo(args)
+    except (RegionError, OSError) as exc:
+        print(f"kvshm: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
