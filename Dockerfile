@@ -1,0 +1,48 @@
+# The kvshm agent and operator image (one image, two commands: kvshm-agent, kvshm-operator).
+# No torch here: the serving image installs kvshm[sidecar] next to vLLM instead.
+#
+#   docker build -t kvshm:dev --build-arg REVISION="$(git rev-parse HEAD)" .
+#
+# Both stages use one base pinned to an exact Python and Debian release (hadolint checks it).
+# Release builds also pin its digest, resolved when the release is cut, in both FROM lines:
+# FROM python:3.11.13-slim-bookworm@sha256:<digest from `docker buildx imagetools inspect`>.
+# Health: Kubernetes ignores HEALTHCHECK, so the chart probes the processes' own endpoints:
+# agent GET /healthz (liveness) and /readyz (readiness) on :9464, operator (kopf) GET /healthz on
+# :8080; /metrics on :9464 (agent) and :9465 (operator).
+FROM python:3.11.13-slim-bookworm AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+RUN python -m venv /opt/kvshm
+WORKDIR /src
+# only what the wheel is built from: the image does not change with tests or docs
+COPY pyproject.toml README.md ./
+COPY agent ./agent
+COPY operator ./operator
+# the agent and operator extras only (kubernetes, kopf, prometheus-client): no torch
+RUN /opt/kvshm/bin/pip install --no-compile ".[agent,operator]" \
+    && /opt/kvshm/bin/python -c "import kvshm.agent, kvshm.operator" \
+    && if /opt/kvshm/bin/python -c "import torch" 2>/dev/null; then \
+         echo "torch must not be in the agent/operator image" >&2; exit 1; fi \
+    && /opt/kvshm/bin/python -m compileall -q /opt/kvshm/lib
+
+FROM python:3.11.13-slim-bookworm
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+LABEL org.opencontainers.image.title="kvshm" \
+      org.opencontainers.image.description="kvshm node agent and operator: a shared, pre-populated CPU tier for vLLM's KV-cache offload region" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.base.name="docker.io/library/python:3.11.13-slim-bookworm"
+COPY --from=build /opt/kvshm /opt/kvshm
+ENV PATH=/opt/kvshm/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+# Non-root by default (the operator and `helm test` run so); the agent's DaemonSet runs it as
+# root with every capability dropped but IPC_LOCK/CHOWN/FOWNER, because it creates region files
+# for other users under a root-owned hostPath.
+USER 65532:65532
+WORKDIR /tmp
+EXPOSE 9464 9465 8080
+CMD ["kvshm-agent", "--help"]

@@ -1,0 +1,64 @@
+"""helm lint --strict over the chart with every example values file, and the values schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.charts.rendering import EXAMPLE_VALUES, helm_args, values_id
+from tests.charts.tools import CHART, run, tool
+
+
+@pytest.mark.parametrize("values", EXAMPLE_VALUES, ids=values_id)
+def test_helm_lint_strict(values: Path | None) -> None:
+    result = run(tool("helm"), "lint", "--strict", str(CHART), *helm_args(values))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+def test_there_is_an_example_for_gpu_and_for_kind_clusters() -> None:
+    assert {p.stem for p in EXAMPLE_VALUES if p is not None} >= {
+        "gpu-cluster-values",
+        "kind-values",
+    }
+
+
+@pytest.mark.parametrize(
+    ("bad", "complaint"),
+    [
+        ("agent.port=0", "agent.port"),
+        ("agent.capabilities={SYS_ADMIN}", "agent.capabilities"),
+        ("agent.hostPid=true", "hostPid"),  # a typo: unknown keys are rejected
+        ("regionRoot=relative/path", "regionRoot"),
+        ("monitoring.prometheusRule.regionFailedFor=5 minutes", "regionFailedFor"),
+        ("monitoring.prometheusRule.rootFreeRatio=2", "rootFreeRatio"),
+        ("image.pullPolicy=Sometimes", "pullPolicy"),
+    ],
+)
+def test_values_schema_rejects_bad_values_naming_them(bad: str, complaint: str) -> None:
+    result = run(tool("helm"), "template", str(CHART), "--set", bad)
+    assert result.returncode != 0, f"--set {bad} was accepted"
+    assert "values don't meet the specifications of the schema" in result.stderr
+    assert complaint in result.stderr
+
+
+def test_every_value_is_described_by_the_schema() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def undescribed(node: object, schema_node: dict[str, object], path: str) -> list[str]:
+        if not isinstance(node, dict) or schema_node.get("type") != "object":
+            return []
+        properties = schema_node.get("properties")
+        if not isinstance(properties, dict):  # free-form maps (labels, affinity)
+            return []
+        missing = [f"{path}{key}" for key in node if key not in properties]
+        for key, child in node.items():
+            if key in properties:
+                missing += undescribed(child, properties[key], f"{path}{key}.")
+        return missing
+
+    assert undescribed(values, schema, "") == []
