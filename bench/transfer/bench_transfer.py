@@ -1,0 +1,537 @@
+"""GB/s of kvshm's transfer handlers against the link peak and vLLM's one-call method.
+
+For 16 KiB .. 2 MiB blocks, both directions, random block ids on both sides over a 1 GiB
+populated, registered 4-worker region (this process is rank 0, two tensors per worker):
+  (a) a 1 GiB contiguous pinned copy: the link's peak, one way and both ways at once;
+  (b) vLLM's method: one cuMemcpyBatchAsync per job for all of its copies;
+  (c) kvshm's handler end to end: pointer math, backend choice, issue, completion.
+Also both directions at once through the handlers, and the CPU cost of issuing a block.
+
+Run on a GPU machine from the repository root:
+    PYTHONPATH=agent:operator python3 bench/transfer/bench_transfer.py [--sweep] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvshm.region import SharedOffloadRegion
+from kvshm.transfer import (
+    BackendOptions,
+    CanonicalKVCacheRef,
+    CpuGpuOffloadingHandlers,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    SingleDirectionOffloadingHandler,
+)
+from kvshm.transfer.backends.cuda_driver import CopyDirection, cuda_driver
+from kvshm.transfer.backends.kernel import DEFAULT_CHUNK_BYTES
+
+KIB, MIB, GIB = 1024, 1024**2, 1024**3
+BLOCK_SIZES = [16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 2 * MIB]
+REGION_BYTES = GIB
+WORKERS = 4
+TENSORS = 2
+JOB_BYTES = 64 * MIB
+DIRECTIONS = ("H2D", "D2H")
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def median_seconds(run: Callable[[], float], reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        run()
+    return statistics.median(run() for _ in range(reps))
+
+
+def wall(issue: Callable[[], None]) -> float:
+    """Seconds from an idle GPU to the end of everything `issue` queued."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    issue()
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+# -- (a) the link ------------------------------------------------------------------------------
+
+
+def link_peak(reps: int) -> dict[str, float]:
+    host = [torch.empty(GIB, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    for buffer in host:  # never time zeros
+        buffer.view(torch.int64).copy_(torch.arange(GIB // 8, dtype=torch.int64))
+    device = [torch.empty(GIB, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+
+    def h2d() -> None:
+        with torch.cuda.stream(streams[0]):
+            device[0].copy_(host[0], non_blocking=True)
+
+    def d2h() -> None:
+        with torch.cuda.stream(streams[1]):
+            host[1].copy_(device[1], non_blocking=True)
+
+    def both() -> None:
+        h2d()
+        d2h()
+
+    result = {
+        "H2D": gbps(GIB, median_seconds(lambda: wall(h2d), reps)),
+        "D2H": gbps(GIB, median_seconds(lambda: wall(d2h), reps)),
+        "both": gbps(2 * GIB, median_seconds(lambda: wall(both), reps)),
+    }
+    return result
+
+
+# -- the region and the jobs -------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    block: int
+    creator: SharedOffloadRegion
+    region: SharedOffloadRegion
+    pair: CpuGpuOffloadingHandlers
+    stores: list[tuple[Any, Any]]
+    loads: list[tuple[Any, Any]]
+    copies_per_pass: int
+
+    @property
+    def pass_bytes(self) -> int:
+        return self.copies_per_pass * self.block
+
+    def close(self) -> None:
+        self.pair.shutdown()
+        self.region.cleanup()
+        self.creator.cleanup()
+
+
+def make_setup(block: int, directory: str, rng: np.random.Generator) -> Setup:
+    rows = REGION_BYTES // (WORKERS * TENSORS * block)
+    instance = f"bench-{uuid.uuid4().hex[:12]}"
+    args = (instance, REGION_BYTES, rows)
+    # the creator (rank None) populates the whole file; rank 0 attaches and registers it all
+    creator = SharedOffloadRegion(*args, None, WORKERS, TENSORS * block, directory=directory)
+    region = SharedOffloadRegion(
+        *args, 0, WORKERS, TENSORS * block, directory=directory, populate=False
+    )
+    if not region.pin():
+        sys.exit("could not register the region with CUDA: the figures would be meaningless")
+    gpu = [
+        torch.randint(-128, 128, (rows, block), dtype=torch.int8, device="cuda")
+        for _ in range(TENSORS)
+    ]
+    refs = [[CanonicalKVCacheRef(t, block) for t in range(TENSORS)]]
+    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, pin=False)
+    per_job = max(1, JOB_BYTES // (TENSORS * block))
+    gpu_ids, cpu_ids = rng.permutation(rows), rng.permutation(rows)
+    stores, loads = [], []
+    for start in range(0, rows, per_job):
+        g, c = gpu_ids[start : start + per_job], cpu_ids[start : start + per_job]
+        gpu_spec = GPULoadStoreSpec(g, [len(g)], [0])
+        stores.append((gpu_spec, CPULoadStoreSpec(c)))
+        loads.append((CPULoadStoreSpec(c), gpu_spec))
+    return Setup(block, creator, region, pair, stores, loads, rows * TENSORS)
+
+
+def handler_for(setup: Setup, direction: str, **kwargs: Any) -> SingleDirectionOffloadingHandler:
+    pair = setup.pair
+    return SingleDirectionOffloadingHandler(
+        pair.gpu_tensors,
+        pair.cpu_tensors,
+        1,
+        pair.gpu_to_cpu_handler.kv_cache_groups_data_refs,
+        gpu_to_cpu=direction == "D2H",
+        **kwargs,
+    )
+
+
+def specs_for(setup: Setup, direction: str) -> list[tuple[Any, Any]]:
+    return setup.stores if direction == "D2H" else setup.loads
+
+
+# -- (b) vLLM's method -------------------------------------------------------------------------
+
+
+def one_call_per_job(setup: Setup, direction: str, reps: int) -> float:
+    handler = handler_for(setup, direction, backend="dma")
+    batches = [handler._planner.plan(spec, pinned=True) for spec in specs_for(setup, direction)]
+    handler.shutdown()
+    driver = cuda_driver()
+    attributes = CopyDirection(direction == "D2H", torch.cuda.current_device()).attributes()
+    stream = torch.cuda.Stream()
+
+    def issue() -> None:
+        for batch in batches:
+            rows = batch.rows
+            code = driver.memcpy_batch(
+                rows[1].ctypes.data,
+                rows[0].ctypes.data,
+                rows[2].ctypes.data,
+                batch.count,
+                attributes,
+                stream.cuda_stream,
+            )
+            driver.check("cuMemcpyBatchAsync", code)
+
+    return gbps(setup.pass_bytes, median_seconds(lambda: wall(issue), reps))
+
+
+# -- (c) the handlers --------------------------------------------------------------------------
+
+
+class HandlerRun:
+    """Times passes of a handler's jobs end to end, and the CPU time spent issuing them."""
+
+    def __init__(
+        self, handlers: Sequence[SingleDirectionOffloadingHandler], specs: Sequence[Sequence[Any]]
+    ) -> None:
+        self.handlers = handlers
+        self.specs = specs
+        self.next_id = 0
+        self.issue_seconds: list[float] = []
+
+    def __call__(self) -> float:
+        ids: list[list[int]] = [[] for _ in self.handlers]
+        issue = 0.0
+
+        def submit() -> None:
+            nonlocal issue
+            for jobs in zip(*self.specs, strict=True):
+                for k, (handler, spec) in enumerate(zip(self.handlers, jobs, strict=True)):
+                    started = time.perf_counter()
+                    ok = handler.transfer_async(self.next_id, spec)
+                    issue += time.perf_counter() - started
+                    assert ok, "a transfer failed to launch"
+                    ids[k].append(self.next_id)
+                    self.next_id += 1
+            for handler, job_ids in zip(self.handlers, ids, strict=True):
+                handler.wait(job_ids)
+
+        seconds = wall(submit)
+        for handler, job_ids in zip(self.handlers, ids, strict=True):
+            results = handler.get_finished()
+            assert [r.job_id for r in results] == job_ids and all(r.success for r in results)
+        self.issue_seconds.append(issue)
+        return seconds
+
+
+def handler_gbps(setup: Setup, direction: str, reps: int, **kwargs: Any) -> tuple[float, float]:
+    """(GB/s, CPU microseconds spent in transfer_async per block copied)."""
+    handler = handler_for(setup, direction, **kwargs)
+    run = HandlerRun([handler], [specs_for(setup, direction)])
+    seconds = median_seconds(run, reps)
+    handler.shutdown()
+    issue = statistics.median(run.issue_seconds[2:] or run.issue_seconds)
+    return gbps(setup.pass_bytes, seconds), issue / setup.copies_per_pass * 1e6
+
+
+def both_directions_gbps(setup: Setup, reps: int, **kwargs: Any) -> float:
+    """Stores of the first half of the jobs and loads of the second half, issued interleaved."""
+    half = len(setup.stores) // 2 or 1
+    stores, loads = setup.stores[:half], setup.loads[-half:]
+    store, load = handler_for(setup, "D2H", **kwargs), handler_for(setup, "H2D", **kwargs)
+    run = HandlerRun([store, load], [stores, loads])
+    seconds = median_seconds(run, reps)
+    store.shutdown()
+    load.shutdown()
+    return gbps(2 * half * setup.pass_bytes // len(setup.stores), seconds)
+
+
+# -- what the policy would choose, and sweeps --------------------------------------------------
+
+
+def chosen_backend(setup: Setup, direction: str) -> str:
+    handler = handler_for(setup, direction)
+    batch = handler._planner.plan(specs_for(setup, direction)[0], pinned=False)
+    name = handler._chooser.choose(batch).name
+    handler.shutdown()
+    return name
+
+
+def sweep(setup: Setup, reps: int) -> list[dict[str, Any]]:
+    rows = []
+    for direction in DIRECTIONS:
+        for per_call in (32, 64, 128, 256, 1024):
+            options = BackendOptions(descriptors_per_call=per_call)
+            rate, issue = handler_gbps(setup, direction, reps, backend="dma", options=options)
+            rows.append(
+                {
+                    "block": setup.block,
+                    "dir": direction,
+                    "variant": f"dma/{per_call}",
+                    "GB/s": rate,
+                    "issue_us": issue,
+                }
+            )
+        for chunk in (4 * KIB, 8 * KIB, 16 * KIB, 32 * KIB):
+            options = BackendOptions(kernel_chunk_bytes=chunk)
+            rate, issue = handler_gbps(setup, direction, reps, backend="kernel", options=options)
+            rows.append(
+                {
+                    "block": setup.block,
+                    "dir": direction,
+                    "variant": f"kernel/{chunk // KIB}K",
+                    "GB/s": rate,
+                    "issue_us": issue,
+                }
+            )
+        rate, issue = handler_gbps(
+            setup, direction, reps, backend="dma", options=BackendOptions(use_batch_call=False)
+        )
+        rows.append(
+            {
+                "block": setup.block,
+                "dir": direction,
+                "variant": "dma/each",
+                "GB/s": rate,
+                "issue_us": issue,
+            }
+        )
+    for store_backend in ("dma", "kernel"):
+        for load_backend in ("dma", "kernel"):
+            half = len(setup.stores) // 2 or 1
+            store = handler_for(setup, "D2H", backend=store_backend)
+            load = handler_for(setup, "H2D", backend=load_backend)
+            run = HandlerRun([store, load], [setup.stores[:half], setup.loads[-half:]])
+            seconds = median_seconds(run, reps)
+            store.shutdown()
+            load.shutdown()
+            rate = gbps(2 * half * setup.pass_bytes // len(setup.stores), seconds)
+            rows.append(
+                {
+                    "block": setup.block,
+                    "dir": "both",
+                    "variant": f"D2H {store_backend} + H2D {load_backend}",
+                    "GB/s": rate,
+                    "issue_us": 0.0,
+                }
+            )
+    return rows
+
+
+# -- issue cost: ctypes against cuda-bindings ----------------------------------------------------
+
+
+def issue_cost_comparison(count: int = 128, block: int = 16 * KIB) -> dict[str, Any]:
+    """CPU microseconds per descriptor to issue one cuMemcpyBatchAsync of `count` copies."""
+    src = torch.empty(count * block, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(count * block, dtype=torch.uint8, device="cuda")
+    table = np.empty((3, count), dtype=np.uint64)
+    table[0] = src.data_ptr() + np.arange(count, dtype=np.uint64) * block
+    table[1] = dst.data_ptr() + np.arange(count, dtype=np.uint64) * block
+    table[2] = block
+    stream = torch.cuda.Stream()
+    driver = cuda_driver()
+    attributes = CopyDirection(False, torch.cuda.current_device()).attributes()
+    out: dict[str, Any] = {}
+
+    def time_calls(call: Callable[[], None]) -> float:
+        call()
+        stream.synchronize()
+        samples = []
+        for _ in range(20):
+            started = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - started)
+            stream.synchronize()
+        return statistics.median(samples) / count * 1e6
+
+    def by_ctypes() -> None:
+        code = driver.memcpy_batch(
+            table[1].ctypes.data,
+            table[0].ctypes.data,
+            table[2].ctypes.data,
+            count,
+            attributes,
+            stream.cuda_stream,
+        )
+        driver.check("cuMemcpyBatchAsync", code)
+
+    out["ctypes_us_per_descriptor"] = time_calls(by_ctypes)
+    try:
+        from cuda.bindings import driver as cu
+
+        out["cuda_bindings_signature"] = (
+            (cu.cuMemcpyBatchAsync.__doc__ or "").strip().splitlines()[0]
+        )
+        attr = cu.CUmemcpyAttributes()
+        attr.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_ANY
+        attr.flags = 1
+        handle = cu.CUstream(stream.cuda_stream)
+
+        def by_bindings() -> None:
+            dsts = [cu.CUdeviceptr(int(p)) for p in table[1]]
+            srcs = [cu.CUdeviceptr(int(p)) for p in table[0]]
+            sizes = [int(s) for s in table[2]]
+            result = cu.cuMemcpyBatchAsync(dsts, srcs, sizes, count, [attr], [0], 1, handle)
+            if int(result[0]) != 0:
+                raise RuntimeError(f"cuda-bindings cuMemcpyBatchAsync returned {result}")
+
+        out["cuda_bindings_us_per_descriptor"] = time_calls(by_bindings)
+    except Exception as exc:  # report, do not hide: the comparison is part of the output
+        out["cuda_bindings_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def kib(nbytes: int) -> str:
+    return f"{nbytes // KIB} KiB"
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+ONE_WAY_HEADER = [
+    "block",
+    "dir",
+    "(a) peak",
+    "(b) vLLM 1 call",
+    "(c) kvshm",
+    "c/a",
+    "c/b",
+    "backend",
+    "issue µs/block",
+]
+BOTH_HEADER = ["block", "(a) bidirectional peak", "(c) kvshm both", "c/a"]
+
+
+def one_way_row(r: dict[str, Any]) -> list[str]:
+    return [
+        kib(r["block"]),
+        r["dir"],
+        f"{r['peak']:.1f}",
+        f"{r['vllm']:.1f}",
+        f"{r['kvshm']:.1f}",
+        f"{r['kvshm'] / r['peak']:.0%}",
+        f"{r['kvshm'] / r['vllm']:.2f}x",
+        r["backend"],
+        f"{r['issue_us']:.2f}",
+    ]
+
+
+def both_row(r: dict[str, Any]) -> list[str]:
+    return [
+        kib(r["block"]),
+        f"{r['peak']:.1f}",
+        f"{r['kvshm']:.1f}",
+        f"{r['kvshm'] / r['peak']:.0%}",
+    ]
+
+
+def table(header: list[str], rows: list[list[str]]) -> None:
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dir", default="/dev/shm", help="where to create the region")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument(
+        "--sizes", default=",".join(str(b // KIB) for b in BLOCK_SIZES), help="block sizes in KiB"
+    )
+    parser.add_argument(
+        "--sweep", action="store_true", help="also sweep DMA chunking and kernel chunk sizes"
+    )
+    parser.add_argument("--json", help="write all figures to this file")
+    args = parser.parse_args()
+    blocks = [int(k) * KIB for k in args.sizes.split(",")]
+
+    driver = cuda_driver()
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}; CUDA driver {driver.version}; torch {torch.__version__}")
+    print(f"cuMemcpyBatchAsync found: {driver.has_batch}")
+    peak = link_peak(args.reps)
+    print(
+        "(a) link peak, 1 GiB pinned, GB/s: "
+        + json.dumps({k: round(v, 1) for k, v in peak.items()})
+    )
+    issue = issue_cost_comparison()
+    print(f"issue cost per descriptor (128 x 16 KiB): {json.dumps(issue)}")
+
+    rng = np.random.default_rng(0)
+    rows: list[dict[str, Any]] = []
+    both: list[dict[str, Any]] = []
+    sweeps: list[dict[str, Any]] = []
+    for block in blocks:
+        setup = make_setup(block, args.dir, rng)
+        try:
+            for direction in DIRECTIONS:
+                vllm = one_call_per_job(setup, direction, args.reps)
+                kvshm, issue_us = handler_gbps(setup, direction, args.reps)
+                backend = chosen_backend(setup, direction)
+                rows.append(
+                    {"block": block, "dir": direction, "peak": peak[direction], "vllm": vllm}
+                    | {"kvshm": kvshm, "issue_us": issue_us, "backend": backend}
+                )
+            rate = both_directions_gbps(setup, args.reps)
+            both.append({"block": block, "peak": peak["both"], "kvshm": rate})
+            if args.sweep:
+                sweeps += sweep(setup, max(3, args.reps // 2))
+        finally:
+            setup.close()
+
+    print(f"\n{device}: GB/s, 1 GiB registered 4-worker region, random ids, 64 MiB jobs")
+    table(ONE_WAY_HEADER, [one_way_row(r) for r in rows])
+    print("\nboth directions at once (stores and loads interleaved)")
+    table(BOTH_HEADER, [both_row(r) for r in both])
+    if sweeps:
+        print("\nsweep (handler end to end, forced backend)")
+        table(
+            ["block", "dir", "variant", "GB/s", "issue µs/block"],
+            [
+                [
+                    kib(r["block"]),
+                    r["dir"],
+                    r["variant"],
+                    f"{r['GB/s']:.1f}",
+                    f"{r['issue_us']:.2f}",
+                ]
+                for r in sweeps
+            ],
+        )
+    one_way = all(r["kvshm"] >= 0.95 * r["peak"] for r in rows)
+    two_way = all(r["kvshm"] >= (0.8 if r["block"] < 256 * KIB else 0.9) * r["peak"] for r in both)
+    print(f"\ngoal (c) >= 95% of (a), every size and direction: {met(one_way)}")
+    print(f"goal both ways >= 80% of peak below 256 KiB, >= 90% from 256 KiB: {met(two_way)}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(
+                {
+                    "device": device,
+                    "driver": driver.version,
+                    "peak": peak,
+                    "issue": issue,
+                    "rows": rows,
+                    "both": both,
+                    "sweep": sweeps,
+                    "default_kernel_chunk": DEFAULT_CHUNK_BYTES,
+                },
+                out,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
