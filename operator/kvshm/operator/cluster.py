@@ -1,0 +1,67 @@
+"""The operator's view of the cluster at one moment: Nodes, agents and their liveness.
+
+Built from kopf's in-memory indexes, so a decision reads a consistent snapshot and the plain
+decision functions take it as one argument (and tests build it by hand).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import TypeVar
+
+from kvshm.operator.reports import NodeInventory
+
+T = TypeVar("T")
+
+
+class AgentState(StrEnum):
+    ALIVE = "Alive"
+    SILENT = "Silent"  # its OffloadNode's heartbeat is older than the silence timeout
+    MISSING = "Missing"  # no OffloadNode: the agent never started there, or was removed
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    nodes: Mapping[str, Mapping[str, str]]  # Node name -> its labels
+    agents: Mapping[str, NodeInventory]  # OffloadNode name (= node name) -> inventory
+    now: datetime
+    silence_seconds: float
+    regions: Mapping[str, str] = field(default_factory=dict)  # region key -> its file path
+
+    def agent_state(self, node: str) -> AgentState:
+        inventory = self.agents.get(node)
+        if inventory is None:
+            return AgentState.MISSING
+        age = inventory.heartbeat_age(self.now)
+        if age is None or age > self.silence_seconds:
+            return AgentState.SILENT
+        return AgentState.ALIVE
+
+    def node_exists(self, node: str) -> bool:
+        return node in self.nodes
+
+    def node_gone(self, node: str) -> bool:
+        """The Node object is gone and nothing speaks for the node any more."""
+        return not self.node_exists(node) and self.agent_state(node) is not AgentState.ALIVE
+
+    def silence_message(self, node: str) -> str:
+        """Why the agent on node does not count as alive, for conditions and Events."""
+        state = self.agent_state(node)
+        if state is AgentState.MISSING:
+            return f"node {node} has no OffloadNode: is the kvshm agent running there?"
+        inventory = self.agents[node]
+        if inventory.heartbeat is None:
+            return f"the kvshm agent on {node} has not reported a heartbeat yet"
+        age = inventory.heartbeat_age(self.now) or 0.0
+        return (
+            f"the kvshm agent on {node} is silent: last heartbeat {age:.0f}s ago "
+            f"(timeout {self.silence_seconds:.0f}s); check the agent pod on that node"
+        )
+
+
+def first_values(index: Mapping[str, Collection[T]]) -> dict[str, T]:
+    """One value per key of a kopf index (each key is indexed from exactly one object)."""
+    return {key: next(iter(store)) for key, store in index.items() if store}

@@ -1,0 +1,344 @@
+"""kopf handlers: thin and typed. Each reads what kopf hands it, calls a plain decision function
+(placement, phases, deletion, orphans, nodes) and applies the result as a patch, Events and
+metrics. Nothing here decides anything on its own, so every rule is unit-tested without kopf.
+
+The decorators are applied in kvshm.operator.main.register, with the configured intervals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from kvshm.api import (
+    OffloadRegion,
+    ReclaimPolicy,
+    RegionPhase,
+    SpecError,
+    parse_offload_region,
+)
+from kvshm.operator import metrics
+from kvshm.operator.cluster import ClusterView, first_values
+from kvshm.operator.config import OperatorConfig
+from kvshm.operator.deletion import decide_release
+from kvshm.operator.kube import ClusterWriter, KubernetesClientWriter
+from kvshm.operator.nodes import (
+    add_retained,
+    forget_retained,
+    reclaims_after,
+    removal_reason,
+    retained_entry,
+)
+from kvshm.operator.orphans import OrphanClock, OrphanDecision, decide_reclaims
+from kvshm.operator.phases import RegionStatus, derive_invalid, derive_status, status_patch
+from kvshm.operator.placement import Verdict, place
+from kvshm.operator.reports import (
+    NodeInventory,
+    ReclaimOutcome,
+    format_timestamp,
+    parse_inventory,
+    parse_node_reports,
+    region_file_path,
+)
+from kvshm.operator.settings import configure
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _config(memo: kopf.Memo) -> OperatorConfig:
+    config = getattr(memo, "config", None)
+    if not isinstance(config, OperatorConfig):  # only before start-up has run
+        config = memo.config = OperatorConfig.from_env()
+    return config
+
+
+# --- start-up --------------------------------------------------------------------------------
+
+
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Settings for kvshm; the config comes from main() through the memo, else from the env."""
+    config = _config(memo)
+    configure(settings, config)
+    if getattr(memo, "writer", None) is None:
+        memo.writer = KubernetesClientWriter()
+    metrics.serve_once(config.metrics_port)
+
+
+async def probe_regions(**_: Any) -> int:
+    """Liveness detail: how many regions this replica tracks (the endpoint itself is the probe)."""
+    return len(metrics.TOTALS.region_phases)
+
+
+# --- indexes: the cluster as the decisions see it --------------------------------------------
+
+
+async def node_labels(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, dict[str, str]]:
+    return {name: dict(labels)}
+
+
+async def agents(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeInventory]:
+    return {name: parse_inventory(body)}
+
+
+async def region_paths(
+    namespace: str | None, name: str, spec: kopf.Spec, **_: Any
+) -> dict[str, str]:
+    """Region key -> its file's path: every path here is claimed, whatever an agent says."""
+    instance_id = spec.get("instanceId") or name
+    namespace = namespace or "default"
+    try:
+        return {f"{namespace}/{name}": region_file_path(namespace, name, str(instance_id))}
+    except ValueError:
+        return {}  # an invalid instance id names no file
+
+
+def _cluster(
+    config: OperatorConfig,
+    node_labels: kopf.Index[str, dict[str, str]],
+    agents: kopf.Index[str, NodeInventory],
+    region_paths: kopf.Index[str, str] | None = None,
+) -> ClusterView:
+    return ClusterView(
+        nodes=first_values(node_labels),
+        agents=first_values(agents),
+        now=_now(),
+        silence_seconds=config.agent_silence_seconds,
+        regions=first_values(region_paths) if region_paths is not None else {},
+    )
+
+
+# --- OffloadRegion: validation --------------------------------------------------------------
+
+
+def _parse(body: kopf.Body) -> OffloadRegion:
+    try:
+        return parse_offload_region(body)
+    except SpecError as exc:
+        raise kopf.PermanentError(f"invalid OffloadRegion: {exc}") from exc
+
+
+async def validate(
+    body: kopf.Body,
+    memo: kopf.Memo,
+    node_labels: kopf.Index[str, dict[str, str]],
+    agents: kopf.Index[str, NodeInventory],
+    **_: Any,
+) -> None:
+    """Reject what the schema cannot: unknown nodes, an empty match, a size no node holds.
+
+    The condition itself is written by the status reconcile (same rules, same cycle); this
+    handler gives kopf the verdict: never retry a bad spec, retry a waiting one.
+    """
+    config = _config(memo)
+    placement = place(_parse(body), _cluster(config, node_labels, agents))
+    if placement.verdict is Verdict.REJECTED:
+        raise kopf.PermanentError(placement.message)
+    if placement.verdict is Verdict.WAITING:
+        raise kopf.TemporaryError(placement.message, delay=config.placement_retry_seconds)
+
+
+# --- OffloadRegion: status, level-based ------------------------------------------------------
+
+
+def _derive(body: kopf.Body, cluster: ClusterView) -> RegionStatus:
+    generation = int(body.get("metadata", {}).get("generation") or 0)
+    try:
+        region = parse_offload_region(body)
+    except SpecError as exc:
+        return derive_invalid(f"invalid OffloadRegion: {exc}", generation)
+    deleting = bool(body.get("metadata", {}).get("deletionTimestamp"))
+    return derive_status(region, parse_node_reports(body.get("status")), cluster, deleting)
+
+
+def _reconcile(body: kopf.Body, patch: kopf.Patch, cluster: ClusterView) -> None:
+    derived = _derive(body, cluster)
+    current = body.get("status") or {}
+    changes = status_patch(current, derived, cluster.now)
+    if changes:
+        patch.status.update(changes)
+    key = f"{body.metadata.namespace}/{body.metadata.name}"
+    metrics.TOTALS.set_region_phase(key, derived.phase)
+    previous = current.get("phase")
+    if previous != derived.phase.value:
+        _announce_phase(body, previous, derived)
+    for node in derived.gone_nodes:
+        kopf.warn(
+            body,
+            reason="NodeGone",
+            message=f"node {node} no longer exists and its agent is silent: "
+            "dropped it from status.nodes",
+        )
+
+
+def _announce_phase(body: kopf.Body, previous: str | None, derived: RegionStatus) -> None:
+    message = f"{previous or 'new'} -> {derived.phase.value}: {derived.message}"
+    if derived.phase in (RegionPhase.FAILED, RegionPhase.DEGRADED):
+        kopf.warn(body, reason=derived.phase.value, message=message)
+    else:
+        kopf.info(body, reason=derived.phase.value, message=message)
+
+
+async def region_changed(
+    type: str,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    node_labels: kopf.Index[str, dict[str, str]],
+    agents: kopf.Index[str, NodeInventory],
+    **_: Any,
+) -> None:
+    """Every change (an agent's report, a spec edit) re-derives the status at once."""
+    if type == "DELETED":
+        metrics.TOTALS.set_region_phase(f"{body.metadata.namespace}/{body.metadata.name}", None)
+        return
+    _reconcile(body, patch, _cluster(_config(memo), node_labels, agents))
+
+
+async def region_resync(
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    node_labels: kopf.Index[str, dict[str, str]],
+    agents: kopf.Index[str, NodeInventory],
+    **_: Any,
+) -> None:
+    """The level-based safety net: what changes with time alone (an agent going silent, a node
+    disappearing) and anything a missed event left behind."""
+    _reconcile(body, patch, _cluster(_config(memo), node_labels, agents))
+
+
+# --- OffloadRegion: deletion -----------------------------------------------------------------
+
+
+async def release(
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    memo: kopf.Memo,
+    node_labels: kopf.Index[str, dict[str, str]],
+    agents: kopf.Index[str, NodeInventory],
+    **_: Any,
+) -> None:
+    """Hold the finalizer until every node that held the region removed its files."""
+    config = _config(memo)
+    cluster = _cluster(config, node_labels, agents)
+    try:
+        region: OffloadRegion | None = parse_offload_region(body)
+    except SpecError:
+        region = None  # files, if any, are still reported in status.nodes and waited for
+    spec_policy = (body.get("spec") or {}).get("reclaimPolicy")
+    policy = (
+        ReclaimPolicy.RETAIN if spec_policy == ReclaimPolicy.RETAIN.value else ReclaimPolicy.DELETE
+    )
+    decision = decide_release(policy, parse_node_reports(body.get("status")), cluster)
+    if not decision.release:
+        raise kopf.TemporaryError(decision.summary, delay=config.deletion_poll_seconds)
+    if decision.retained and region is not None:
+        await _mark_retained(memo, region, decision.retained)
+        kopf.info(body, reason="Retained", message=decision.summary)
+    for item in decision.abandoned:
+        kopf.warn(body, reason=item.reason.value, message=f"released anyway: {item.message}")
+    metrics.TOTALS.set_region_phase(f"{namespace}/{name}", None)
+
+
+async def _mark_retained(memo: kopf.Memo, region: OffloadRegion, nodes: tuple[str, ...]) -> None:
+    """Record retained files in their nodes' specs, so orphan reclaim leaves them alone."""
+    writer: ClusterWriter = memo.writer
+    path = region_file_path(region.namespace, region.name, region.instance_id)
+    entry = retained_entry(region.key, path, _now())
+    for node in nodes:
+        await writer.edit_offload_node_spec(node, add_retained(entry))
+
+
+# --- OffloadNode: orphans and gone nodes -----------------------------------------------------
+
+
+async def sweep_node(
+    name: str,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    node_labels: kopf.Index[str, dict[str, str]],
+    agents: kopf.Index[str, NodeInventory],
+    region_paths: kopf.Index[str, str],
+    **_: Any,
+) -> None:
+    """Remove the OffloadNode of a gone node; else decide reclaims from its inventory."""
+    config = _config(memo)
+    cluster = _cluster(config, node_labels, agents, region_paths)
+    inventory = parse_inventory(body)
+    reason = removal_reason(inventory, cluster)
+    if reason is not None:
+        kopf.warn(body, reason="NodeGone", message=reason)
+        writer: ClusterWriter = memo.writer
+        await writer.delete_offload_node(name)
+        metrics.TOTALS.set_node_orphans(name, None)
+        return
+
+    decision = decide_reclaims(
+        inventory,
+        cluster.regions.values(),
+        getattr(memo, "orphan_clock", None) or OrphanClock(),
+        cluster.now,
+        config.orphan_grace_seconds,
+        config.orphan_dry_run,
+    )
+    memo.orphan_clock = decision.clock
+    reclaims = reclaims_after(inventory, decision, cluster.now)
+    if reclaims is not None:
+        patch.spec["reclaims"] = reclaims
+    if decision.forget_retained:
+        writer = memo.writer
+        await writer.edit_offload_node_spec(name, forget_retained(decision.forget_retained))
+    metrics.TOTALS.set_node_orphans(name, len(decision.orphans), decision.orphaned_bytes)
+    _announce_reclaims(body, decision)
+
+
+def _announce_reclaims(body: kopf.Body, decision: OrphanDecision) -> None:
+    for request in decision.requests:
+        metrics.RECLAIMS_REQUESTED.inc()
+        kopf.info(
+            body,
+            reason="ReclaimRequested",
+            message=f"{request.path} ({request.size_bytes} bytes) is an orphan since "
+            f"{format_timestamp(request.orphaned_since)}: asked the agent to reclaim it",
+        )
+    for request in decision.would_reclaim:
+        kopf.info(
+            body,
+            reason="WouldReclaim",
+            message=f"dry run: {request.path} ({request.size_bytes} bytes) is an orphan past "
+            "the grace period and would be reclaimed",
+        )
+    for refused in decision.refusals:
+        metrics.DECISIONS_REFUSED.labels(reason=refused.reason.value).inc()
+        if refused.reason.value != "grace":
+            kopf.info(body, reason="ReclaimRefused", message=refused.message)
+    for withdrawn in decision.withdrawals:
+        metrics.DECISIONS_REFUSED.labels(reason=withdrawn.reason.value).inc()
+        kopf.warn(
+            body,
+            reason="ReclaimWithdrawn",
+            message=f"withdrew the reclaim request: {withdrawn.message}",
+        )
+    for result in decision.results:
+        if result.outcome is ReclaimOutcome.DONE:
+            metrics.RECLAIMS_COMPLETED.inc()
+            kopf.info(body, reason="Reclaimed", message=f"the agent reclaimed {result.path}")
+        else:
+            kopf.warn(
+                body,
+                reason="ReclaimNotDone",
+                message=f"the agent did not reclaim {result.path}: {result.outcome.value} "
+                f"{result.message}".strip(),
+            )
+
+
+async def offload_node_changed(type: str, name: str, **_: Any) -> None:
+    if type == "DELETED":
+        metrics.TOTALS.set_node_orphans(name, None)

@@ -1,0 +1,87 @@
+"""The few API calls the operator makes to objects other than the one a handler runs for.
+
+kopf patches the handled object itself; marking retained files in other OffloadNodes, or
+deleting an OffloadNode whose node is gone, needs a client. It is the kubernetes client,
+configured the way kopf's default login configures it (in-cluster, else kubeconfig), called in a
+worker thread so the event loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, cast
+
+from kvshm.api import GROUP, NODE_PLURAL, VERSION
+
+# spec.retained is a list written whole; edits are read-modify-write, made safe by sending
+# the resourceVersion read (a conflict means someone wrote in between: read again).
+SpecEdit = Callable[[Mapping[str, Any]], dict[str, Any] | None]
+CONFLICT_RETRIES = 5
+
+
+class ClusterWriter(Protocol):
+    async def edit_offload_node_spec(self, name: str, edit: SpecEdit) -> bool:
+        """Apply edit(current spec) -> spec merge patch (None: nothing to do) to an OffloadNode.
+
+        False if the OffloadNode does not exist.
+        """
+
+    async def delete_offload_node(self, name: str) -> bool:
+        """Delete an OffloadNode; False if it was already gone."""
+
+
+class KubernetesClientWriter:
+    """ClusterWriter over the official kubernetes client."""
+
+    def __init__(self) -> None:
+        import kubernetes
+
+        try:
+            kubernetes.config.load_incluster_config()
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config()
+        self._api = kubernetes.client.CustomObjectsApi()
+        self._api_error = kubernetes.client.ApiException
+
+    async def edit_offload_node_spec(self, name: str, edit: SpecEdit) -> bool:
+        return await asyncio.to_thread(self._edit, name, edit)
+
+    async def delete_offload_node(self, name: str) -> bool:
+        def delete() -> bool:
+            try:
+                self._api.delete_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, name)
+            except self._api_error as exc:
+                if exc.status == 404:
+                    return False
+                raise
+            return True
+
+        return await asyncio.to_thread(delete)
+
+    def _edit(self, name: str, edit: SpecEdit) -> bool:
+        for _ in range(CONFLICT_RETRIES):
+            try:
+                current = cast(
+                    dict[str, Any],
+                    self._api.get_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, name),
+                )
+            except self._api_error as exc:
+                if exc.status == 404:
+                    return False
+                raise
+            spec_patch = edit(current.get("spec") or {})
+            if spec_patch is None:
+                return True
+            version = current["metadata"]["resourceVersion"]
+            body = {"metadata": {"resourceVersion": version}, "spec": spec_patch}
+            try:
+                self._api.patch_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, name, body)
+            except self._api_error as exc:
+                if exc.status == 409:
+                    continue
+                if exc.status == 404:
+                    return False
+                raise
+            return True
+        raise RuntimeError(f"OffloadNode {name} kept changing: gave up after {CONFLICT_RETRIES}")

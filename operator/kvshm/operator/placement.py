@@ -1,0 +1,116 @@
+"""Where a region belongs, and what the CRD schema cannot check about its placement.
+
+A schema can say nodeNames is a list of names; only the cluster can say whether those Nodes
+exist, whether a selector matches any, and whether any matching node's region root is large
+enough. The verdict distinguishes specs that will never work (Rejected: fix the spec) from ones
+that may once agents report (Waiting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kvshm.api import OffloadRegion
+from kvshm.operator.cluster import AgentState, ClusterView
+
+
+class Verdict(StrEnum):
+    ACCEPTED = "Accepted"
+    WAITING = "Waiting"  # may work once agents report: retry later
+    REJECTED = "Rejected"  # will not work until the spec (or the cluster) changes
+
+
+class PlacementReason(StrEnum):
+    ACCEPTED = "Accepted"
+    UNKNOWN_NODE = "UnknownNode"
+    NO_MATCHING_NODE = "NoMatchingNode"
+    INSUFFICIENT_CAPACITY = "InsufficientCapacity"
+    WAITING_FOR_AGENTS = "WaitingForAgents"
+
+
+@dataclass(frozen=True)
+class Placement:
+    verdict: Verdict
+    reason: PlacementReason
+    message: str
+    targets: tuple[str, ...] = ()  # existing nodes the region belongs on, sorted
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
+
+
+def place(region: OffloadRegion, cluster: ClusterView) -> Placement:
+    """The nodes a region belongs on, and whether its placement can work at all."""
+    wanted = region.placement
+    if not wanted.node_names and not wanted.node_selector:
+        # No placement: every node that runs an agent.
+        targets = tuple(sorted(name for name in cluster.agents if cluster.node_exists(name)))
+        if not targets:
+            return Placement(
+                Verdict.WAITING,
+                PlacementReason.WAITING_FOR_AGENTS,
+                "no kvshm agent has reported on any node yet: is the agent DaemonSet running?",
+            )
+        return _check_capacity(region, cluster, targets)
+
+    unknown = [name for name in wanted.node_names if not cluster.node_exists(name)]
+    targets = tuple(
+        sorted(name for name, labels in cluster.nodes.items() if wanted.matches(name, labels))
+    )
+    if unknown:
+        return Placement(
+            Verdict.REJECTED,
+            PlacementReason.UNKNOWN_NODE,
+            f"spec.placement.nodeNames lists {', '.join(unknown)}, which "
+            f"{'is not a Node' if len(unknown) == 1 else 'are not Nodes'} of this cluster: "
+            "fix the names (kubectl get nodes) or remove them",
+            targets,
+        )
+    if not targets:
+        return Placement(
+            Verdict.REJECTED,
+            PlacementReason.NO_MATCHING_NODE,
+            f"spec.placement matches none of the cluster's {len(cluster.nodes)} nodes "
+            f"(nodeNames {list(wanted.node_names)}, nodeSelector {dict(wanted.node_selector)}): "
+            "label a node to match, or change the placement",
+        )
+    return _check_capacity(region, cluster, targets)
+
+
+def _check_capacity(
+    region: OffloadRegion, cluster: ClusterView, targets: tuple[str, ...]
+) -> Placement:
+    size = region.size_bytes
+    capacities = {
+        name: cluster.agents[name].capacity_bytes
+        for name in targets
+        if name in cluster.agents and cluster.agents[name].capacity_bytes is not None
+    }
+    if any(capacity >= size for capacity in capacities.values() if capacity is not None):
+        return Placement(Verdict.ACCEPTED, PlacementReason.ACCEPTED, "placement accepted", targets)
+    unmeasured = [name for name in targets if name not in capacities]
+    if unmeasured:
+        return Placement(
+            Verdict.WAITING,
+            PlacementReason.WAITING_FOR_AGENTS,
+            f"waiting for {', '.join(unmeasured)} to report the capacity of the region root: "
+            + _why_unmeasured(cluster, unmeasured[0]),
+            targets,
+        )
+    largest = max(capacity for capacity in capacities.values() if capacity is not None)
+    return Placement(
+        Verdict.REJECTED,
+        PlacementReason.INSUFFICIENT_CAPACITY,
+        f"the region needs {size} bytes ({_gib(size)}) but the largest region root among the "
+        f"matching nodes holds {largest} bytes ({_gib(largest)}): lower spec.layout.numBlocks "
+        "or place it on nodes with more shared memory",
+        targets,
+    )
+
+
+def _why_unmeasured(cluster: ClusterView, node: str) -> str:
+    if cluster.agent_state(node) is AgentState.ALIVE:
+        return f"the agent on {node} has not measured it yet"
+    return cluster.silence_message(node)

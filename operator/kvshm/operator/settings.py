@@ -1,0 +1,38 @@
+"""kopf settings for kvshm: our own finalizer and annotation prefix, peering, bounded workers."""
+
+from __future__ import annotations
+
+import kopf
+
+from kvshm.operator.config import OperatorConfig, PeeringMode
+
+FINALIZER = "kvshm.dev/operator"
+ANNOTATION_PREFIX = "kvshm.dev"
+
+
+def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    # One finalizer on a region, and it is ours: the agents never add any.
+    settings.persistence.finalizer = FINALIZER
+    # Handler progress and the last-handled spec live in kvshm.dev/* annotations, not in status:
+    # status belongs to the schema (and to the agents' per-node reports), and must not be pruned.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    # One active replica: replicas peer cluster-wide under one name; the others pause.
+    settings.peering.name = config.peering_name
+    settings.peering.clusterwide = True
+    if config.peering_mode is PeeringMode.MANDATORY:
+        settings.peering.mandatory, settings.peering.standalone = True, False
+    elif config.peering_mode is PeeringMode.STANDALONE:
+        settings.peering.mandatory, settings.peering.standalone = False, True
+    # Watch streams end on the server's side first (no half-dead connections), then reconnect.
+    settings.watching.server_timeout = config.watch_server_timeout_seconds
+    settings.watching.client_timeout = config.watch_client_timeout_seconds
+    # Bounded concurrency: per-object workers and threads for anything synchronous.
+    settings.queueing.worker_limit = config.max_workers
+    settings.execution.max_workers = config.max_workers
+    settings.posting.reporting_component = "kvshm-operator"
+    settings.posting.event_name_prefix = "kvshm-operator-"

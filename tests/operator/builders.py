@@ -1,0 +1,104 @@
+"""Small builders for the operator's plain-function tests: regions, reports, inventories, views."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from kvshm.api import NodeRegionPhase, OffloadRegion, parse_offload_region
+from kvshm.operator.cluster import ClusterView
+from kvshm.operator.reports import InventoryFile, NodeInventory, NodeReport
+
+NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
+GIB = 2**30
+SILENCE = 60.0
+
+
+def region(
+    name: str = "r1",
+    *,
+    node_names: list[str] | None = None,
+    selector: Mapping[str, str] | None = None,
+    size_gib: int = 1,
+    policy: str = "Delete",
+    generation: int = 1,
+) -> OffloadRegion:
+    placement: dict[str, Any] = {}
+    if node_names is not None:
+        placement["nodeNames"] = node_names
+    if selector is not None:
+        placement["nodeSelector"] = dict(selector)
+    manifest = {
+        "kind": "OffloadRegion",
+        "metadata": {"name": name, "namespace": "team", "generation": generation},
+        "spec": {
+            "layout": {"numBlocks": size_gib * 1024, "cpuPageSize": 2**20, "numWorkers": 1},
+            "placement": placement,
+            "reclaimPolicy": policy,
+        },
+    }
+    return parse_offload_region(manifest)
+
+
+def agent(
+    name: str,
+    *,
+    heartbeat_age: float | None = 1.0,
+    capacity_gib: int | None = 64,
+    files: tuple[InventoryFile, ...] = (),
+    requests: tuple[str, ...] = (),
+    results: Mapping[str, str] | None = None,
+    retained: tuple[str, ...] = (),
+) -> NodeInventory:
+    from kvshm.operator.reports import ReclaimResult, parse_outcome
+
+    return NodeInventory(
+        name=name,
+        heartbeat=None if heartbeat_age is None else NOW - timedelta(seconds=heartbeat_age),
+        capacity_bytes=None if capacity_gib is None else capacity_gib * GIB,
+        free_bytes=None if capacity_gib is None else capacity_gib * GIB,
+        files=files,
+        reclaim_requests={path: {"path": path, "sizeBytes": 1} for path in requests},
+        retained={path: {"path": path} for path in retained},
+        reclaim_results=tuple(
+            ReclaimResult(path, parse_outcome(outcome)) for path, outcome in (results or {}).items()
+        ),
+    )
+
+
+def cluster(
+    nodes: Mapping[str, Mapping[str, str]] | list[str],
+    agents: list[NodeInventory] | None = None,
+    *,
+    now: datetime = NOW,
+    regions: Mapping[str, str] | None = None,
+) -> ClusterView:
+    node_map = {name: {} for name in nodes} if isinstance(nodes, list) else dict(nodes)
+    agent_list = [agent(name) for name in node_map] if agents is None else agents
+    return ClusterView(
+        nodes=node_map,
+        agents={item.name: item for item in agent_list},
+        now=now,
+        silence_seconds=SILENCE,
+        regions=dict(regions or {}),
+    )
+
+
+def reports(**phases: str) -> dict[str, NodeReport]:
+    """reports(a="Ready", b="Failed: no space") -> status.nodes as the agents wrote it."""
+    result = {}
+    for node, text in phases.items():
+        phase, _, message = text.partition(": ")
+        result[node.replace("_", "-")] = NodeReport(NodeRegionPhase(phase), message=message)
+    return result
+
+
+def file(
+    path: str = "team/old/vllm_offload_old.mmap",
+    *,
+    size: int = 4096,
+    claimed_by: str = "",
+    held: bool = False,
+) -> InventoryFile:
+    return InventoryFile(path=path, size_bytes=size, claimed_by=claimed_by, held=held)

@@ -1,0 +1,47 @@
+"""Operator settings from the environment: defaults, overrides, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshm.operator.config import ConfigError, OperatorConfig, PeeringMode
+
+
+def test_defaults_without_environment() -> None:
+    config = OperatorConfig.from_env({})
+    assert config == OperatorConfig()
+    assert config.orphan_dry_run is False and config.peering_mode is PeeringMode.AUTO
+
+
+def test_overrides_by_field_name() -> None:
+    config = OperatorConfig.from_env(
+        {
+            "KVSHM_OPERATOR_ORPHAN_GRACE_SECONDS": "30",
+            "KVSHM_OPERATOR_ORPHAN_DRY_RUN": "true",
+            "KVSHM_OPERATOR_MAX_WORKERS": "8",
+            "KVSHM_OPERATOR_PEERING_MODE": "Standalone",
+        }
+    )
+    assert config.orphan_grace_seconds == 30.0
+    assert config.orphan_dry_run is True
+    assert config.max_workers == 8
+    assert config.peering_mode is PeeringMode.STANDALONE
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("KVSHM_OPERATOR_ORPHAN_GRACE_SECONDS", "ten", "a number of seconds"),
+        ("KVSHM_OPERATOR_ORPHAN_DRY_RUN", "maybe", "true or false"),
+        ("KVSHM_OPERATOR_PEERING_MODE", "solo", "auto | mandatory | standalone"),
+        ("KVSHM_OPERATOR_AGENT_SILENCE_SECONDS", "-1", "must not be negative"),
+        ("KVSHM_OPERATOR_MAX_WORKERS", "0", "at least 1"),
+        ("KVSHM_OPERATOR_NODE_SWEEP_SECONDS", "0", "greater than 0"),
+    ],
+)
+def test_bad_values_name_the_variable_and_what_it_takes(
+    variable: str, value: str, expected: str
+) -> None:
+    with pytest.raises(ConfigError, match=expected) as error:
+        OperatorConfig.from_env({variable: value})
+    assert variable in str(error.value)

@@ -1,0 +1,120 @@
+"""Orphan reclaim decisions: continuously orphaned past the grace period, never held or claimed."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from kvshm.operator.orphans import OrphanClock, Refusal, decide_reclaims
+from tests.operator.builders import NOW, agent, file
+
+GRACE = 60.0
+ORPHAN = file("team/old/vllm_offload_old.mmap", size=8192)
+
+
+def sweep(inventory, clock=None, at=0.0, claimed=(), dry_run=False):  # type: ignore[no-untyped-def]
+    return decide_reclaims(
+        inventory,
+        claimed,
+        clock or OrphanClock(),
+        NOW + timedelta(seconds=at),
+        GRACE,
+        dry_run,
+    )
+
+
+def test_an_orphan_is_requested_only_after_the_grace_period() -> None:
+    node = agent("a", files=(ORPHAN,))
+    first = sweep(node)
+    assert first.requests == ()
+    assert [r.reason for r in first.refusals] == [Refusal.GRACE]
+    assert first.orphans == (ORPHAN,) and first.orphaned_bytes == 8192
+    early = sweep(node, first.clock, at=GRACE - 1)
+    assert early.requests == () and early.refusals == ()  # the grace refusal is counted once
+    due = sweep(node, early.clock, at=GRACE)
+    assert [r.path for r in due.requests] == [ORPHAN.path]
+    assert due.requests[0].orphaned_since == NOW
+
+
+def test_being_held_in_between_restarts_the_clock() -> None:
+    first = sweep(agent("a", files=(ORPHAN,)))
+    held = file(ORPHAN.path, held=True)
+    middle = sweep(agent("a", files=(held,)), first.clock, at=30)
+    assert [r.reason for r in middle.refusals] == [Refusal.HELD]
+    again = sweep(agent("a", files=(ORPHAN,)), middle.clock, at=GRACE + 1)
+    assert again.requests == ()  # orphaned again only since 61s, not 0s
+    due = sweep(agent("a", files=(ORPHAN,)), again.clock, at=2 * GRACE + 1)
+    assert len(due.requests) == 1
+
+
+def test_a_held_file_is_never_requested() -> None:
+    held = file(held=True)
+    clock = OrphanClock()
+    for at in (0, GRACE, 10 * GRACE):
+        decision = sweep(agent("a", files=(held,)), clock, at=at)
+        assert decision.requests == () and decision.orphans == ()
+        clock = decision.clock
+
+
+def test_a_file_the_agent_calls_claimed_is_never_requested_nor_counted_as_refused() -> None:
+    claimed = file(claimed_by="team/live")
+    decision = sweep(agent("a", files=(claimed,)), at=10 * GRACE)
+    assert decision.requests == () and decision.refusals == ()
+
+
+def test_a_file_an_existing_region_names_is_refused_as_claimed_even_if_the_agent_disagrees() -> (
+    None
+):
+    decision = sweep(agent("a", files=(ORPHAN,)), claimed=[ORPHAN.path], at=10 * GRACE)
+    assert decision.requests == ()
+    assert [r.reason for r in decision.refusals] == [Refusal.CLAIMED]
+
+
+def test_an_unknown_held_state_counts_as_held() -> None:
+    from kvshm.operator.reports import parse_inventory
+
+    body = {
+        "metadata": {"name": "a"},
+        "status": {"files": [{"path": ORPHAN.path, "sizeBytes": 1, "claimedBy": ""}]},
+    }
+    decision = sweep(parse_inventory(body), at=10 * GRACE)
+    assert decision.orphans == () and decision.requests == ()
+
+
+def test_a_pending_request_that_became_unsafe_is_withdrawn() -> None:
+    held = file(ORPHAN.path, held=True)
+    decision = sweep(agent("a", files=(held,), requests=(ORPHAN.path,)))
+    assert [(w.path, w.reason) for w in decision.withdrawals] == [(ORPHAN.path, Refusal.HELD)]
+
+
+def test_a_pending_request_is_not_requested_twice() -> None:
+    first = sweep(agent("a", files=(ORPHAN,)))
+    decision = sweep(agent("a", files=(ORPHAN,), requests=(ORPHAN.path,)), first.clock, at=GRACE)
+    assert decision.requests == ()
+
+
+def test_answered_requests_are_closed_with_their_outcome() -> None:
+    node = agent("a", requests=(ORPHAN.path,), results={ORPHAN.path: "Done", "x": "Done"})
+    decision = sweep(node)
+    assert [(r.path, r.outcome.value) for r in decision.results] == [(ORPHAN.path, "done")]
+
+
+def test_dry_run_announces_once_and_requests_nothing() -> None:
+    first = sweep(agent("a", files=(ORPHAN,)), dry_run=True)
+    due = sweep(agent("a", files=(ORPHAN,)), first.clock, at=GRACE, dry_run=True)
+    assert due.requests == () and [r.path for r in due.would_reclaim] == [ORPHAN.path]
+    later = sweep(agent("a", files=(ORPHAN,)), due.clock, at=2 * GRACE, dry_run=True)
+    assert later.would_reclaim == ()
+
+
+def test_retained_files_are_orphans_but_never_requested() -> None:
+    node = agent("a", files=(ORPHAN,), retained=(ORPHAN.path,))
+    first = sweep(node)
+    decision = sweep(node, first.clock, at=10 * GRACE)
+    assert decision.orphans == (ORPHAN,) and decision.requests == ()
+    assert decision.forget_retained == ()
+
+
+def test_retained_entries_are_forgotten_when_the_file_is_gone_or_claimed_again() -> None:
+    claimed = file("team/back/vllm_offload_back.mmap", claimed_by="team/back")
+    node = agent("a", files=(claimed,), retained=(claimed.path, "team/gone/vllm_offload_g.mmap"))
+    assert sweep(node).forget_retained == (claimed.path, "team/gone/vllm_offload_g.mmap")
