@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,11 @@ def values_id(values: Path | None) -> str:
 
 
 def helm_args(values: Path | None, sets: tuple[str, ...] = ()) -> list[str]:
+    """--values, and each "key=<YAML value>" as --set-json (so 0.25 stays a number)."""
     args = [] if values is None else ["--values", str(values)]
     for item in sets:
-        args += ["--set", item]
+        key, _, value = item.partition("=")
+        args += ["--set-json", f"{key}={json.dumps(yaml.safe_load(value))}"]
     return args
 
 

@@ -74,7 +74,7 @@ def test_agent_host_pid_is_opt_in_and_brings_ptrace() -> None:
 
 
 def test_agent_can_be_restricted_to_mlock_only() -> None:
-    _, spec = _agent(render(sets=("agent.capabilities={IPC_LOCK}",)))
+    _, spec = _agent(render(sets=("agent.capabilities=[IPC_LOCK]",)))
     assert spec["containers"][0]["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
 
 
