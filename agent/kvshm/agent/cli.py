@@ -1,0 +1,215 @@
+"""`kvshm-agent`: the node agent, in a cluster (a DaemonSet) or locally from YAML files.
+
+    kvshm-agent --local examples/regions            # this machine, regions from YAML files
+    kvshm-agent --local examples/regions --once     # reconcile, print the table, exit
+    kvshm-agent --node-name "$NODE_NAME"            # in a cluster (in-cluster config or kubeconfig)
+
+Stopping the agent (SIGTERM, Ctrl-C) releases nothing: region files stay where they are and
+the next start adopts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType
+
+from kvshm.agent.holders import HoldChecker
+from kvshm.agent.hosting import HostingSettings
+from kvshm.agent.local.console import ConsoleSink
+from kvshm.agent.local.source import LocalDirectorySource
+from kvshm.agent.loop import AgentLoop, RegionSource, StatusSink, Wakeup
+from kvshm.agent.metrics import AgentMetrics
+from kvshm.agent.notify import build_notifier
+from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
+from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.server import Health, serve
+from kvshm.agent.sizes import parse_bytes
+from kvshm.agent.version import agent_version
+from kvshm.api import NodeRegionPhase
+from kvshm.region import RegionError
+
+log = logging.getLogger("kvshm.agent")
+
+DEFAULT_ROOT = "/dev/shm/kvshm"
+DEFAULT_PORT = 9464
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a label: use KEY=VALUE")
+    return key, value
+
+
+def _bytes(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvshm-agent",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    mode = parser.add_argument_group("mode")
+    mode.add_argument(
+        "--local",
+        metavar="DIR",
+        help="reconcile the OffloadRegion YAML files in DIR on this machine (no cluster)",
+    )
+    mode.add_argument(
+        "--once", action="store_true", help="reconcile until settled, print the table, exit"
+    )
+    mode.add_argument("--kubeconfig", help="cluster mode: kubeconfig (default: in-cluster)")
+    node = parser.add_argument_group("node")
+    node.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME") or socket.gethostname(),
+        help="this node's name (default: $NODE_NAME, else the host name)",
+    )
+    node.add_argument(
+        "--node-label",
+        type=_label,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="local mode: a label of this node, for spec.placement.nodeSelector (repeatable)",
+    )
+    node.add_argument("--root", default=DEFAULT_ROOT, help=f"region root (default {DEFAULT_ROOT})")
+    node.add_argument(
+        "--reserve-bytes",
+        type=_bytes,
+        default=0,
+        help="bytes of the root's filesystem never given to regions (e.g. 2Gi)",
+    )
+    regions = parser.add_argument_group("regions")
+    regions.add_argument("--drain-grace-seconds", type=float, default=30.0)
+    regions.add_argument(
+        "--populate-threads", type=int, default=None, help="default: one per CPU, at most 8"
+    )
+    regions.add_argument(
+        "--populate-rate",
+        type=_bytes,
+        default=None,
+        metavar="BYTES_PER_SECOND",
+        help="cap populate throughput (e.g. 2Gi) so a busy node keeps its memory bandwidth",
+    )
+    regions.add_argument(
+        "--proc-scan",
+        action="store_true",
+        help="also treat files mapped or open by any visible process as held (needs hostPID)",
+    )
+    loop = parser.add_argument_group("loop and serving")
+    loop.add_argument("--resync-seconds", type=float, default=30.0)
+    loop.add_argument("--poll-seconds", type=float, default=1.0, help="local mode: poll DIR")
+    loop.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="/metrics, /healthz, /readyz (0: any)"
+    )
+    loop.add_argument(
+        "--bind", default=None, help="address to serve on (default 0.0.0.0; local 127.0.0.1)"
+    )
+    loop.add_argument("--no-http", action="store_true", help="serve nothing")
+    loop.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> ReconcilerSettings:
+    return ReconcilerSettings(
+        reserve_bytes=args.reserve_bytes,
+        drain_grace_seconds=args.drain_grace_seconds,
+        retry_seconds=args.resync_seconds,
+        hosting=HostingSettings(args.populate_threads, args.populate_rate),
+    )
+
+
+def _connect(args: argparse.Namespace, metrics: AgentMetrics) -> tuple[RegionSource, StatusSink]:
+    if args.local:
+        source = LocalDirectorySource(
+            args.local,
+            args.node_name,
+            dict(args.node_label),
+            poll_seconds=args.poll_seconds,
+        )
+        return source, ConsoleSink(progress_seconds=1.0)
+    raise ValueError("cluster mode is not in this build yet: use --local DIR")
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        root = RegionRoot(args.root)
+    except (RegionError, OSError) as exc:
+        print(f"kvshm-agent: cannot use the region root: {exc}", file=sys.stderr)
+        return 2
+    metrics = AgentMetrics(agent_version())
+    try:
+        source, sink = _connect(args, metrics)
+    except (OSError, ValueError) as exc:
+        print(f"kvshm-agent: {exc}", file=sys.stderr)
+        return 2
+    wakeup = Wakeup()
+    reconciler = NodeReconciler(
+        root,
+        build_notifier(),
+        _settings(args),
+        holds=HoldChecker(proc_scan=args.proc_scan),
+        counters=metrics,
+        wake=wakeup,
+    )
+    health = Health(stale_after_seconds=max(60.0, 3 * args.resync_seconds))
+    where = ""
+    if not args.no_http:
+        host = args.bind or ("127.0.0.1" if args.local else "0.0.0.0")
+        server = serve(host, args.port, metrics.registry, health)
+        where = f", metrics on http://{host}:{server.server_port}/metrics"
+    mode = f"local mode, regions from {args.local}" if args.local else "cluster mode"
+    print(
+        f"kvshm-agent {agent_version()}: {mode}, root {root.path}, node {args.node_name}{where}",
+        flush=True,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+        wakeup()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    loop = AgentLoop(
+        source, reconciler, sink, metrics, health, wakeup, resync_seconds=args.resync_seconds
+    )
+    result = loop.run(stop, until_settled=args.once)
+    source.close()
+    sink.close()
+    failed = result is not None and any(
+        report.phase is NodeRegionPhase.FAILED for report in result.reports.values()
+    )
+    return 1 if args.once and failed else 0
+
+
+def main() -> None:
+    code = run()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Regions outlive the agent: skip waiting for populate threads and releasing mappings
+    # (the files stay; the next start adopts and finishes them).
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Whether a live process other than the agent holds a region file.
+
+Every kvshm attacher (SharedOffloadRegion) holds a shared flock on the region file for as long
+as it has it open. The agent probes with a non-blocking exclusive flock on a descriptor of its
+own: it is granted only when no other open file description holds a lock. flock locks belong to
+open file descriptions, so the agent's own mapping counts only if the agent kept its lock; it
+drops it after opening (see hosting.py). While the probe holds the exclusive lock a new attacher
+cannot take its shared one and retries, which is what makes "probe, then remove" safe.
+
+Processes that map the file without kvshm (vLLM's own code) take no flock. With proc_scan the
+agent also looks through /proc/<pid>/maps and /proc/<pid>/fd of every process it can see; in a
+pod that needs the host's PID namespace (hostPID) and CAP_SYS_PTRACE, else it sees only its own
+container. See docs/agent.md for the limits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+
+from kvshm.region import safefile
+
+FileId = tuple[int, int]  # (st_dev, st_ino)
+
+
+def try_exclusive(dir_fd: int, file_name: str, path: str) -> int | None:
+    """A descriptor holding an exclusive flock on the file, or None when someone holds a lock.
+
+    Raises UnsafePathError for anything but a regular single-link file, FileNotFoundError if
+    there is none."""
+    fd = safefile.open_existing(dir_fd, file_name, path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _maps_file_ids(pid_dir: str) -> set[FileId]:
+    ids: set[FileId] = set()
+    with open(os.path.join(pid_dir, "maps"), encoding="ascii", errors="replace") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) < 5 or fields[4] == "0":
+                continue
+            major, _, minor = fields[3].partition(":")
+            ids.add((os.makedev(int(major, 16), int(minor, 16)), int(fields[4])))
+    return ids
+
+
+def _fd_file_ids(pid_dir: str) -> set[FileId]:
+    ids: set[FileId] = set()
+    fd_dir = os.path.join(pid_dir, "fd")
+    for entry in os.listdir(fd_dir):
+        with contextlib.suppress(OSError):
+            st = os.stat(os.path.join(fd_dir, entry))
+            ids.add((st.st_dev, st.st_ino))
+    return ids
+
+
+def scan_proc(proc: str = "/proc") -> set[FileId]:
+    """(dev, inode) of every file some other visible process maps or has open."""
+    own = str(os.getpid())
+    held: set[FileId] = set()
+    for pid in os.listdir(proc):
+        if not pid.isdigit() or pid == own:
+            continue
+        pid_dir = os.path.join(proc, pid)
+        # processes come and go, and some are not ours to read: skip what cannot be read
+        with contextlib.suppress(OSError, ValueError):
+            held |= _maps_file_ids(pid_dir)
+        with contextlib.suppress(OSError):
+            held |= _fd_file_ids(pid_dir)
+    return held
+
+
+class HoldChecker:
+    """Probes holders: flock always, /proc when enabled (scanned at most once per refresh)."""
+
+    def __init__(self, proc_scan: bool = False, proc: str = "/proc") -> None:
+        self.proc_scan = proc_scan
+        self._proc = proc
+        self._proc_held: set[FileId] = set()
+
+    def refresh(self) -> None:
+        if self.proc_scan:
+            self._proc_held = scan_proc(self._proc)
+
+    def held_by_process(self, st: os.stat_result) -> bool:
+        return (st.st_dev, st.st_ino) in self._proc_held
+
+    @contextlib.contextmanager
+    def exclusive(self, dir_fd: int, file_name: str, path: str) -> Iterator[int | None]:
+        """Yields a descriptor holding the file exclusively, or None when it is held; keep the
+        block short, attachers wait while it runs."""
+        fd = try_exclusive(dir_fd, file_name, path)
+        if fd is not None and self.held_by_process(os.fstat(fd)):
+            os.close(fd)
+            fd = None
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def is_held(self, dir_fd: int, file_name: str, path: str) -> bool:
+        with self.exclusive(dir_fd, file_name, path) as fd:
+            return fd is None

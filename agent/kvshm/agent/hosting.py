@@ -1,0 +1,220 @@
+"""One region file the agent holds: created or adopted, populated, mlocked, kept mapped.
+
+Opening and populating run in a thread of the region's own (populating itself fans out to
+more threads), so one large region never delays another's report. The agent keeps the mapping
+(and the mlock) for as long as it runs, and drops its own shared flock right after opening so
+that the holder probe sees only other processes. Stopping the agent releases nothing on disk:
+the file outlives it and is adopted again, never re-created, on the next start.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvshm.agent.errors import ErrorReason, classify
+from kvshm.agent.saferoot import RegionDir, set_owner_and_mode
+from kvshm.agent.throttle import RateLimit
+from kvshm.api import NodeRegionPhase, OffloadRegion
+from kvshm.region import OpenMode, RegionError, RegionLockError, SharedOffloadRegion
+from kvshm.region.naming import region_file_name
+
+# The file exists with its size when the agent decides to adopt it; a short wait only covers
+# it disappearing in between (then the next pass looks again).
+ATTACH_TIMEOUT_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class HostingSettings:
+    populate_threads: int | None = None  # None: one per CPU (at most 32)
+    populate_bytes_per_second: float | None = None  # None: as fast as the machine goes
+
+
+@dataclass(frozen=True)
+class HostingStatus:
+    phase: NodeRegionPhase  # CREATING, POPULATING, READY or FAILED
+    populated_bytes: int = 0
+    locked: bool = False
+    populate_seconds: float | None = None
+    message: str = ""
+    error: ErrorReason | None = None
+
+
+class HostedRegion:
+    """The agent's hold on one region file. start() opens it in the background."""
+
+    def __init__(
+        self,
+        region: OffloadRegion,
+        region_dir: RegionDir,
+        *,
+        adopt: bool,
+        settings: HostingSettings,
+        on_done: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.region = region
+        self.adopt = adopt
+        self.file_name = region_file_name(region.instance_id)
+        self.path = region_dir.file_path(file_name=self.file_name)
+        self.file_id: tuple[int, int] | None = None
+        self.created = False  # this attempt made the file (so a failure may remove it)
+        self.lock_seconds = 0.0
+        self._display_dir = region_dir.path
+        self._dir_fd = os.dup(region_dir.fd)
+        self._fd_dir = f"/proc/self/fd/{self._dir_fd}"
+        self._settings = settings
+        self._on_done = on_done
+        self._rate = (
+            RateLimit(settings.populate_bytes_per_second)
+            if settings.populate_bytes_per_second
+            else None
+        )
+        self._shared: SharedOffloadRegion | None = None
+        self._state_lock = threading.Lock()
+        self._status = HostingStatus(NodeRegionPhase.CREATING)
+        self._thread = threading.Thread(
+            target=self._open, name=f"kvshm-host-{region.key}", daemon=True
+        )
+
+    # -- lifecycle (called from the reconciler's thread) -----------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def status(self) -> HostingStatus:
+        with self._state_lock:
+            return self._status
+
+    def set_lock(self, lock: bool) -> None:
+        """Apply a changed spec.lock to a ready region."""
+        if self.busy or self._shared is None or self._shared.is_locked == lock:
+            return
+        message = ""
+        if lock:
+            message = self._try_lock(self._shared)
+        else:
+            self._shared.unlock()
+        with self._state_lock:
+            self._status = HostingStatus(
+                self._status.phase,
+                self._status.populated_bytes,
+                self._shared.is_locked,
+                self._status.populate_seconds,
+                message,
+                ErrorReason.LOCK if message else None,
+            )
+
+    def set_access(self) -> None:
+        """Re-apply the region's owner and mode to the open file (spec.access changed)."""
+        if not self.busy and self._shared is not None:
+            access = self.region.access
+            set_owner_and_mode(self._shared.fileno(), access.uid, access.gid, access.mode)
+
+    def release(self) -> None:
+        """Unlock and unmap; the file stays where it is. Only once the thread has finished."""
+        if self.busy:
+            raise RuntimeError(f"{self.path} is still being opened; wait() first")
+        if self._shared is not None:
+            self._shared.cleanup()
+            self._shared = None
+
+    # -- the opening thread ---------------------------------------------------------------
+
+    def _open(self) -> None:
+        try:
+            self._shared = self._open_shared()
+            self._finish(self._shared)
+        except (RegionError, OSError) as exc:
+            self._set(
+                HostingStatus(
+                    NodeRegionPhase.FAILED,
+                    message=str(exc).replace(self._fd_dir, self._display_dir),
+                    error=classify(exc),
+                )
+            )
+        finally:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+            self._on_done()
+
+    def _open_shared(self) -> SharedOffloadRegion:
+        region, layout = self.region, self.region.layout
+        if self.adopt:
+            mode, populate = OpenMode.ATTACH, None if region.populate else False
+        else:
+            mode, populate = OpenMode.CREATE, region.populate
+            self.created = True  # O_EXCL decides; FileExistsError below undoes this
+        if self._rate is not None:
+            self._rate.start()
+        try:
+            return SharedOffloadRegion(
+                region.instance_id,
+                layout.size_bytes,
+                layout.num_blocks,
+                None,
+                layout.num_workers,
+                layout.cpu_page_size,
+                directory=self._fd_dir,
+                mode=mode,
+                file_mode=region.access.mode,
+                owner=(region.access.uid, region.access.gid),
+                attach_timeout=ATTACH_TIMEOUT_SECONDS,
+                populate=populate,
+                populate_threads=self._settings.populate_threads,
+                progress=self._progress,
+                unlink_on_cleanup=False,
+            )
+        except FileExistsError:
+            self.created = False
+            raise
+
+    def _progress(self, done: int) -> None:
+        with self._state_lock:
+            self._status = HostingStatus(NodeRegionPhase.POPULATING, populated_bytes=done)
+        if self._rate is not None:
+            self._rate.pace(done)
+
+    def _finish(self, shared: SharedOffloadRegion) -> None:
+        fd = shared.fileno()
+        fcntl.flock(fd, fcntl.LOCK_UN)  # the agent's own mapping must not count as a holder
+        access = self.region.access
+        set_owner_and_mode(fd, access.uid, access.gid, access.mode)
+        st = os.fstat(fd)
+        self.file_id = (st.st_dev, st.st_ino)
+        size = shared.layout.size_bytes
+        populated = size if shared.populate_method else min(size, st.st_blocks * 512)
+        message = self._try_lock(shared) if self.region.lock else ""
+        self._set(
+            HostingStatus(
+                NodeRegionPhase.READY,
+                populated_bytes=populated,
+                locked=shared.is_locked,
+                populate_seconds=shared.populate_seconds if shared.populate_method else None,
+                message=message,
+                error=ErrorReason.LOCK if message else None,
+            )
+        )
+
+    def _try_lock(self, shared: SharedOffloadRegion) -> str:
+        started = time.monotonic()
+        try:
+            shared.lock()
+        except RegionLockError as exc:
+            return f"ready but not locked: {exc}".replace(self._fd_dir, self._display_dir)
+        self.lock_seconds = time.monotonic() - started
+        return ""
+
+    def _set(self, status: HostingStatus) -> None:
+        with self._state_lock:
+            self._status = status

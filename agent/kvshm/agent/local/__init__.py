@@ -1,0 +1,1 @@
+"""Local mode: regions from a directory of YAML files, status on stdout."""

@@ -1,0 +1,196 @@
+"""Local mode's region source: the OffloadRegion YAML files in one directory.
+
+Same schema as the CRD (kvshm.api parses both). The directory is polled about once a second
+(a stat per file; files are parsed again only when they change). A file that stops parsing keeps
+the regions it had (an editor's half-written save must not drain a region); a file that is
+deleted takes its regions away, and the agent drains and removes them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from kvshm.agent.view import ClusterView, KnownRegion
+from kvshm.api import REGION_KIND, SpecError, parse_offload_region
+
+_SUFFIXES = (".yaml", ".yml")
+Signature = tuple[tuple[str, int, int, int], ...]
+
+
+@dataclass
+class _FileRegions:
+    signature: tuple[int, int, int]
+    regions: dict[str, KnownRegion] = field(default_factory=dict)
+    invalid: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def with_local_owner(manifest: Mapping[str, Any], uid: int, gid: int) -> dict[str, Any]:
+    """Local mode gives files to the user running the agent unless spec.access says otherwise
+    (a cluster's default is uid/gid 0, which only root may hand out)."""
+    result = dict(manifest)
+    spec = result.get("spec")
+    if isinstance(spec, Mapping):
+        spec = dict(spec)
+        access = spec.get("access") or {}
+        if isinstance(access, Mapping):
+            access = dict(access)
+            access.setdefault("uid", uid)
+            access.setdefault("gid", gid)
+            spec["access"] = access
+        result["spec"] = spec
+    return result
+
+
+def _document_key(document: Mapping[str, Any]) -> str | None:
+    metadata = document.get("metadata")
+    if not isinstance(metadata, Mapping) or not isinstance(metadata.get("name"), str):
+        return None
+    namespace = metadata.get("namespace") or "default"
+    return f"{namespace}/{metadata['name']}"
+
+
+class LocalDirectorySource:
+    def __init__(
+        self,
+        directory: str,
+        node_name: str,
+        node_labels: Mapping[str, str] | None = None,
+        *,
+        poll_seconds: float = 1.0,
+        owner: tuple[int, int] | None = None,
+    ) -> None:
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(
+                f"{directory} is not a directory: give --local the directory that holds the "
+                f"OffloadRegion YAML files (e.g. examples/regions)"
+            )
+        self.directory = directory
+        self.node_name = node_name
+        self.node_labels = dict(node_labels or {})
+        self._poll_seconds = poll_seconds
+        self._owner = owner or (os.geteuid(), os.getegid())
+        self._files: dict[str, _FileRegions] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- RegionSource ----------------------------------------------------------------------
+
+    def start(self, wake: Callable[[], None]) -> None:
+        self._thread = threading.Thread(
+            target=self._poll, args=(wake,), name="kvshm-local-poll", daemon=True
+        )
+        self._thread.start()
+
+    def synced(self) -> bool:
+        return True
+
+    def view(self) -> ClusterView:
+        names = self._yaml_files()
+        for name in list(self._files):
+            if name not in names:
+                del self._files[name]  # deleted: its regions go, and are drained
+        regions: dict[str, KnownRegion] = {}
+        invalid: dict[str, str] = {}
+        problems: list[str] = []
+        origin: dict[str, str] = {}
+        for name in sorted(names):
+            parsed = self._load(name)
+            problems.extend(parsed.problems)
+            for key, known in parsed.regions.items():
+                if key in origin:
+                    problems.append(
+                        f"{name}: region {key} is already defined in {origin[key]}; ignored here"
+                    )
+                    continue
+                origin[key] = name
+                regions[key] = known
+            for key, why in parsed.invalid.items():
+                invalid.setdefault(key, f"{name}: {why}")
+        return ClusterView(
+            self.node_name, self.node_labels, regions, invalid, problems=tuple(problems)
+        )
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _yaml_files(self) -> set[str]:
+        return {n for n in os.listdir(self.directory) if n.endswith(_SUFFIXES)}
+
+    def _signature(self) -> Signature:
+        signature = []
+        for name in sorted(self._yaml_files()):
+            try:
+                st = os.stat(os.path.join(self.directory, name))
+            except FileNotFoundError:
+                continue
+            signature.append((name, st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(signature)
+
+    def _poll(self, wake: Callable[[], None]) -> None:
+        last = self._signature()
+        while not self._stop.wait(self._poll_seconds):
+            current = self._signature()
+            if current != last:
+                last = current
+                wake()
+
+    def _load(self, name: str) -> _FileRegions:
+        path = os.path.join(self.directory, name)
+        try:
+            st = os.stat(path)
+            signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            return _FileRegions((0, 0, 0))
+        cached = self._files.get(name)
+        if cached is not None and cached.signature == signature:
+            return cached
+        try:
+            with open(path, encoding="utf-8") as stream:
+                documents = [d for d in yaml.safe_load_all(stream) if d is not None]
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            kept = cached.regions if cached else {}
+            problem = (
+                f"{path} could not be read as YAML ({exc}); "
+                + (f"its regions {', '.join(sorted(kept))} are kept as they were" if kept else "")
+            ).rstrip("; ")
+            return _FileRegions(signature, dict(kept), {}, [problem])
+        parsed = self._parse(path, documents, signature)
+        self._files[name] = parsed
+        return parsed
+
+    def _parse(
+        self, path: str, documents: list[Any], signature: tuple[int, int, int]
+    ) -> _FileRegions:
+        parsed = _FileRegions(signature)
+        for index, document in enumerate(documents, 1):
+            where = f"{path} (document {index})"
+            if not isinstance(document, Mapping):
+                parsed.problems.append(f"{where}: not a mapping; ignored")
+                continue
+            if document.get("kind") != REGION_KIND:
+                parsed.problems.append(
+                    f"{where}: kind {document.get('kind')!r} is not {REGION_KIND}; ignored"
+                )
+                continue
+            try:
+                region = parse_offload_region(with_local_owner(document, *self._owner))
+            except SpecError as exc:
+                parsed.problems.append(f"{where}: {exc}")
+                key = _document_key(document)
+                if key is not None:
+                    parsed.invalid[key] = str(exc)
+                continue
+            if region.key in parsed.regions:
+                parsed.problems.append(f"{where}: region {region.key} is defined twice; ignored")
+                continue
+            parsed.regions[region.key] = KnownRegion(region)
+        return parsed

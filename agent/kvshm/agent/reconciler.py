@@ -1,0 +1,509 @@
+"""The node-side reconciler: converge the files under the region root to the regions placed here.
+
+Level-based and free of Kubernetes: each pass takes a ClusterView (what a source knows) and
+creates, adopts, populates, locks, drains and removes region files until they match it, then
+returns every region's NodeReport, the node inventory, reclaim results and the events worth
+telling. Slow work (populating, waiting for holders) never blocks a pass: it runs in threads or
+is re-checked on the next pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Protocol
+
+from kvshm.agent.capacity import CapacityCheck
+from kvshm.agent.drain import Drain, Drainer, DrainNotifier, DrainOutcome
+from kvshm.agent.errors import ErrorReason, classify
+from kvshm.agent.holders import HoldChecker
+from kvshm.agent.hosting import HostedRegion, HostingSettings
+from kvshm.agent.inventory import InventoryScanner
+from kvshm.agent.reclaim import Reclaimer, ReclaimRequest
+from kvshm.agent.reports import (
+    AgentEvent,
+    EventReason,
+    InventoryFile,
+    NodeReport,
+    PassResult,
+    ReclaimOutcome,
+    ReclaimResult,
+)
+from kvshm.agent.saferoot import RegionDir, RegionRoot
+from kvshm.agent.sizes import format_bytes
+from kvshm.agent.view import ClusterView
+from kvshm.api import NodeRegionPhase, OffloadRegion
+from kvshm.region import RegionError, RegionSizeMismatchError, UnsafePathError
+from kvshm.region.naming import region_file_name
+from kvshm.region.safefile import check_regular
+
+log = logging.getLogger(__name__)
+
+_HOLDING = (NodeRegionPhase.CREATING, NodeRegionPhase.POPULATING, NodeRegionPhase.READY)
+
+
+class Counters(Protocol):
+    """What the reconciler counts as it goes (kvshm.agent.metrics implements it)."""
+
+    def populated(self, seconds: float, size_bytes: int) -> None: ...
+    def drained(self, outcome: DrainOutcome) -> None: ...
+    def reclaimed(self, outcome: ReclaimOutcome) -> None: ...
+    def error(self, reason: ErrorReason) -> None: ...
+
+
+class NoCounters:
+    def populated(self, seconds: float, size_bytes: int) -> None:
+        pass
+
+    def drained(self, outcome: DrainOutcome) -> None:
+        pass
+
+    def reclaimed(self, outcome: ReclaimOutcome) -> None:
+        pass
+
+    def error(self, reason: ErrorReason) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class ReconcilerSettings:
+    reserve_bytes: int = 0
+    drain_grace_seconds: float = 30.0
+    retry_seconds: float = 30.0  # first retry after a failed create/populate; doubles
+    max_retry_seconds: float = 600.0
+    hosting: HostingSettings = field(default_factory=HostingSettings)
+
+
+@dataclass
+class _Failure:
+    region: OffloadRegion
+    reason: ErrorReason
+    message: str
+    retry_at: float = 0.0  # failed attempts to open/populate back off; checks do not
+    retry_delay: float = 0.0
+
+
+class NodeReconciler:
+    def __init__(
+        self,
+        root: RegionRoot,
+        notifier: DrainNotifier,
+        settings: ReconcilerSettings,
+        *,
+        holds: HoldChecker | None = None,
+        counters: Counters | None = None,
+        wake: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.root = root
+        self.settings = settings
+        self._holds = holds or HoldChecker()
+        self._counters = counters or NoCounters()
+        self._wake = wake
+        self._clock = clock
+        self._drainer = Drainer(root, self._holds, notifier, settings.drain_grace_seconds, clock)
+        self._inventory = InventoryScanner(root, self._holds, settings.reserve_bytes)
+        self._reclaimer = Reclaimer(root, self._holds)
+        self._hosted: dict[str, HostedRegion] = {}
+        self._failures: dict[str, _Failure] = {}
+        self._drains: dict[tuple[str, str], Drain] = {}  # (key, instance id) -> drain
+        self._finished: dict[str, NodeReport] = {}  # key -> Removed report, while still known
+        self._reclaims: dict[str, tuple[str, ReclaimResult]] = {}  # path -> (token, result)
+        self._reported_ready: set[str] = set()
+        self._events: list[AgentEvent] = []
+
+    # -- one pass --------------------------------------------------------------------------
+
+    def reconcile(self, view: ClusterView) -> PassResult:
+        self._events = []
+        self._holds.refresh()
+        desired = view.placed_here()
+        self._forget(view, desired)
+        inventory = self._inventory.scan(lambda ns, n, iid: self._claimant(view, ns, n, iid))
+        self._release_unwanted(view, desired)
+        self._drain_leftovers(view, desired, inventory.files)
+        self._advance_drains()
+        for key in sorted(desired):
+            if key not in view.invalid:
+                self._ensure(desired[key])
+        reclaims = self._execute_reclaims(view)
+        busy = any(h.busy for h in self._hosted.values()) or bool(self._drains)
+        return PassResult(
+            reports=self._reports(view, desired),
+            events=self._events,
+            inventory=inventory,
+            reclaims=reclaims,
+            problems=tuple(view.problems),
+            busy=busy,
+            settled=not busy,
+        )
+
+    def hosted_regions(self) -> dict[str, HostedRegion]:
+        return dict(self._hosted)
+
+    def wait_idle(self, timeout: float | None = None) -> None:
+        """Wait for every opening thread (tests and --once use it)."""
+        for hosted in list(self._hosted.values()):
+            hosted.wait(timeout)
+
+    # -- claims ----------------------------------------------------------------------------
+
+    def _claimant(self, view: ClusterView, namespace: str, name: str, instance_id: str) -> str:
+        key = f"{namespace}/{name}"
+        hosted = self._hosted.get(key)
+        if hosted is not None and hosted.region.instance_id == instance_id:
+            return key
+        if (key, instance_id) in self._drains:
+            return key
+        return view.claimant(namespace, name, instance_id)
+
+    # -- leaving ---------------------------------------------------------------------------
+
+    def _release_unwanted(self, view: ClusterView, desired: dict[str, OffloadRegion]) -> None:
+        for key, hosted in list(self._hosted.items()):
+            if key in view.invalid:
+                continue  # an unreadable spec changes nothing that exists (loses nothing)
+            target = desired.get(key)
+            if target is not None and target.instance_id == hosted.region.instance_id:
+                continue
+            del self._hosted[key]
+            if target is not None:
+                reason = (
+                    f"instanceId changed from {hosted.region.instance_id!r} to "
+                    f"{target.instance_id!r}"
+                )
+            elif key in view.regions and not view.regions[key].deleting:
+                reason = f"no longer placed on node {view.node_name}"
+            else:
+                reason = "region deleted"
+            self._begin_drain(hosted.region, hosted, reason)
+
+    def _drain_leftovers(
+        self, view: ClusterView, desired: dict[str, OffloadRegion], files: tuple[InventoryFile, ...]
+    ) -> None:
+        """Files of regions that exist but are not placed here (the agent was down when the
+        placement changed or the deletion started): drain those too."""
+        for file in files:
+            key = file.claimed_by
+            known = view.regions.get(key)
+            if known is None or key in desired or key in self._hosted or key in self._finished:
+                continue
+            if (key, known.region.instance_id) not in self._drains:
+                reason = "region deleted" if known.deleting else "not placed on this node"
+                self._begin_drain(known.region, None, reason)
+
+    def _begin_drain(self, region: OffloadRegion, hosted: HostedRegion | None, why: str) -> None:
+        self._drains[(region.key, region.instance_id)] = self._drainer.begin(region, hosted, why)
+        self._failures.pop(region.key, None)
+        self._reported_ready.discard(region.key)
+        self._event(EventReason.DRAINING, region, f"draining: {why}")
+
+    def _advance_drains(self) -> None:
+        for drain_key, drain in list(self._drains.items()):
+            try:
+                step = self._drainer.advance(drain)
+            except (RegionError, OSError) as exc:
+                drain.message = f"drain failed, retried on the next pass: {exc}"
+                self._counters.error(ErrorReason.DRAIN)
+                continue
+            drain.message = step.message
+            if step.outcome is None:
+                continue
+            del self._drains[drain_key]
+            region = drain.region
+            if step.outcome is not DrainOutcome.RETAINED:
+                self._counters.drained(step.outcome)
+            self._finished[region.key] = NodeReport(
+                NodeRegionPhase.REMOVED,
+                message=step.message,
+                generation=region.generation,
+            )
+            self._event(EventReason.DRAINED, region, step.message)
+
+    # -- holding ---------------------------------------------------------------------------
+
+    def _ensure(self, region: OffloadRegion) -> None:
+        key = region.key
+        if (key, region.instance_id) in self._drains:
+            return  # the same file is still being drained: create it afresh afterwards
+        self._finished.pop(key, None)
+        hosted = self._hosted.get(key)
+        if hosted is not None:
+            if hosted.busy:
+                return
+            if hosted.status().phase is NodeRegionPhase.FAILED:
+                self._after_failed_attempt(hosted)
+            elif self._keep_hosting(hosted, region):
+                return
+        failure = self._failures.get(key)
+        if failure is not None and failure.region == region and self._clock() < failure.retry_at:
+            return
+        self._open(region)
+
+    def _keep_hosting(self, hosted: HostedRegion, region: OffloadRegion) -> bool:
+        """Apply spec changes to a ready region; False if it has to be opened again."""
+        if region.size_bytes != hosted.region.size_bytes:
+            self._fail(
+                region,
+                ErrorReason.SIZE_MISMATCH,
+                f"spec asks for {region.size_bytes} bytes but {hosted.path} is "
+                f"{hosted.region.size_bytes} bytes; a region file is never truncated. Use a new "
+                f"instanceId for the new layout, or delete the region and create it again.",
+            )
+            return True
+        if not self._still_in_place(hosted):
+            hosted.release()
+            del self._hosted[hosted.region.key]
+            self._reported_ready.discard(region.key)
+            self._event(
+                EventReason.FAILED,
+                region,
+                f"{hosted.path} was removed or replaced by someone else; opening it again",
+            )
+            return False
+        self._failures.pop(region.key, None)
+        old, hosted.region = hosted.region, region
+        if region.access != old.access:
+            self._apply_access(hosted)
+        if region.lock != old.lock:
+            hosted.set_lock(region.lock)
+        self._note_ready(hosted)
+        return True
+
+    def _still_in_place(self, hosted: HostedRegion) -> bool:
+        region = hosted.region
+        try:
+            region_dir = self.root.open_region_dir(region.namespace, region.name)
+        except UnsafePathError:
+            return False
+        if region_dir is None:
+            return False
+        with region_dir:
+            st = region_dir.lstat(hosted.file_name)
+        return st is not None and (st.st_dev, st.st_ino) == hosted.file_id
+
+    def _apply_access(self, hosted: HostedRegion) -> None:
+        region = hosted.region
+        try:
+            self.root.ensure_region_dir(region.namespace, region.name, region.access).close()
+            hosted.set_access()
+        except (RegionError, OSError) as exc:
+            self._fail(region, classify(exc), f"could not apply spec.access: {exc}")
+
+    def _open(self, region: OffloadRegion) -> None:
+        """Create or adopt the region's file and start populating it."""
+        try:
+            region_dir = self.root.ensure_region_dir(region.namespace, region.name, region.access)
+        except (RegionError, OSError) as exc:
+            self._fail(region, classify(exc), str(exc))
+            return
+        with region_dir:
+            try:
+                adopt, needed = self._inspect(region, region_dir)
+            except (RegionError, OSError) as exc:
+                self._fail(region, classify(exc), str(exc))
+                return
+            check = self._capacity(needed)
+            if not check.fits:
+                self._fail(region, ErrorReason.CAPACITY, check.refusal(self.root.path))
+                return
+            hosted = HostedRegion(
+                region,
+                region_dir,
+                adopt=adopt,
+                settings=self.settings.hosting,
+                on_done=self._wake,
+            )
+        self._hosted[region.key] = hosted
+        hosted.start()
+        verb = "adopted existing" if adopt else "created"
+        self._event(
+            EventReason.ADOPTED if adopt else EventReason.CREATED,
+            region,
+            f"{verb} {hosted.path} ({format_bytes(region.size_bytes)})",
+        )
+
+    def _inspect(self, region: OffloadRegion, region_dir: RegionDir) -> tuple[bool, int]:
+        """(adopt, bytes still to allocate) for the region's file; raises what forbids it."""
+        file_name = region_file_name(region.instance_id)
+        path = region_dir.file_path(file_name)
+        st = region_dir.lstat(file_name)
+        if st is None:
+            return False, region.size_bytes
+        check_regular(st, path)  # symlink, FIFO, directory, hard link: refused, untouched
+        if st.st_size != region.size_bytes:
+            raise RegionSizeMismatchError(path, st.st_size, region.size_bytes)
+        return True, max(0, region.size_bytes - st.st_blocks * 512)
+
+    def _capacity(self, needed: int) -> CapacityCheck:
+        _, free = self.root.filesystem_bytes()
+        committed = 0
+        for hosted in self._hosted.values():
+            status = hosted.status()
+            if status.phase in _HOLDING:
+                committed += max(0, hosted.region.size_bytes - status.populated_bytes)
+        return CapacityCheck(needed, free, self.settings.reserve_bytes, committed)
+
+    def _after_failed_attempt(self, hosted: HostedRegion) -> None:
+        region, status = hosted.region, hosted.status()
+        hosted.release()
+        del self._hosted[region.key]
+        message = status.message
+        if hosted.created:
+            message += self._remove_failed_creation(hosted)
+        previous = self._failures.get(region.key)
+        delay = self.settings.retry_seconds
+        if previous is not None and previous.region == region and previous.retry_delay:
+            delay = min(self.settings.max_retry_seconds, previous.retry_delay * 2)
+        self._fail(region, status.error or ErrorReason.IO, message)
+        self._failures[region.key].retry_at = self._clock() + delay
+        self._failures[region.key].retry_delay = delay
+
+    def _remove_failed_creation(self, hosted: HostedRegion) -> str:
+        """A file this agent just created and could not finish holds no one's data: remove it,
+        unless someone attached meanwhile."""
+        region = hosted.region
+        region_dir = self.root.open_region_dir(region.namespace, region.name)
+        if region_dir is None:
+            return ""
+        with region_dir:
+            try:
+                with self._holds.exclusive(region_dir.fd, hosted.file_name, hosted.path) as fd:
+                    if fd is None:
+                        return "; the partial file is held by a process and was kept"
+                    problem = region_dir.unlink_regular(hosted.file_name, os.fstat(fd))
+            except (FileNotFoundError, UnsafePathError):
+                return ""
+        return (
+            f"; kept the partial file: {problem}" if problem else "; the partial file was removed"
+        )
+
+    def _fail(self, region: OffloadRegion, reason: ErrorReason, message: str) -> None:
+        previous = self._failures.get(region.key)
+        if previous is None or previous.reason is not reason or previous.region != region:
+            self._counters.error(reason)
+            self._event(EventReason.FAILED, region, message)
+            log.warning("region %s failed: %s", region.key, message)
+        self._reported_ready.discard(region.key)
+        failure = _Failure(region, reason, message)
+        if previous is not None and previous.region == region:
+            failure.retry_at, failure.retry_delay = previous.retry_at, previous.retry_delay
+        self._failures[region.key] = failure
+
+    def _note_ready(self, hosted: HostedRegion) -> None:
+        key = hosted.region.key
+        if key in self._reported_ready:
+            return
+        self._reported_ready.add(key)
+        status = hosted.status()
+        if status.populate_seconds:
+            self._counters.populated(status.populate_seconds, hosted.region.size_bytes)
+        if status.error is ErrorReason.LOCK:
+            self._counters.error(ErrorReason.LOCK)
+            self._event(EventReason.LOCK_FAILED, hosted.region, status.message)
+        self._event(EventReason.READY, hosted.region, _ready_message(hosted))
+
+    # -- reclaims --------------------------------------------------------------------------
+
+    def _execute_reclaims(self, view: ClusterView) -> dict[str, ReclaimResult]:
+        requested = {request.path: request for request in view.reclaims}
+        for path in list(self._reclaims):
+            if path not in requested:
+                del self._reclaims[path]
+        for path, request in sorted(requested.items()):
+            done = self._reclaims.get(path)
+            if done is None or done[0] != request.token:
+                self._reclaims[path] = (request.token, self._reclaim(view, request))
+        return {path: result for path, (_, result) in self._reclaims.items()}
+
+    def _reclaim(self, view: ClusterView, request: ReclaimRequest) -> ReclaimResult:
+        try:
+            result = self._reclaimer.execute(
+                request, lambda ns, n, iid: self._claimant(view, ns, n, iid)
+            )
+        except OSError as exc:
+            result = ReclaimResult(request.path, ReclaimOutcome.FAILED, str(exc), datetime.now(UTC))
+        self._counters.reclaimed(result.outcome)
+        if result.outcome is ReclaimOutcome.FAILED:
+            self._counters.error(ErrorReason.RECLAIM)
+        done = result.outcome is ReclaimOutcome.DONE
+        self._events.append(
+            AgentEvent(
+                EventReason.RECLAIMED if done else EventReason.RECLAIM_REFUSED,
+                f"{request.path}: {result.outcome.value}: {result.message}",
+            )
+        )
+        return result
+
+    # -- reports ---------------------------------------------------------------------------
+
+    def _forget(self, view: ClusterView, desired: dict[str, OffloadRegion]) -> None:
+        """Removed reports stay while their region exists (and for one pass after), failures
+        while it is wanted."""
+        for key in list(self._finished):
+            if key not in view.regions:
+                del self._finished[key]
+        for key in list(self._failures):
+            if key not in desired and key not in self._hosted:
+                del self._failures[key]
+
+    def _reports(
+        self, view: ClusterView, desired: dict[str, OffloadRegion]
+    ) -> dict[str, NodeReport]:
+        reports = dict(self._finished)
+        for (key, _), drain in self._drains.items():
+            reports[key] = self._plain_report(NodeRegionPhase.DRAINING, drain.region, drain.message)
+        for key, failure in self._failures.items():
+            reports[key] = self._plain_report(
+                NodeRegionPhase.FAILED, failure.region, failure.message
+            )
+        for key, hosted in self._hosted.items():
+            if key in self._failures:
+                continue
+            status = hosted.status()
+            message = status.message
+            if key in view.invalid:
+                message = f"spec refused, the region is kept as it was: {view.invalid[key]}"
+            reports[key] = NodeReport(
+                status.phase,
+                path=hosted.path,
+                size_bytes=hosted.region.size_bytes,
+                populated_bytes=status.populated_bytes,
+                locked=status.locked,
+                populate_seconds=status.populate_seconds,
+                message=message,
+                generation=hosted.region.generation,
+            )
+        return reports
+
+    def _plain_report(
+        self, phase: NodeRegionPhase, region: OffloadRegion, message: str
+    ) -> NodeReport:
+        return NodeReport(
+            phase,
+            path=self._file_path(region),
+            size_bytes=region.size_bytes,
+            message=message,
+            generation=region.generation,
+        )
+
+    def _file_path(self, region: OffloadRegion) -> str:
+        return f"{self.root.path}/{region.key}/{region_file_name(region.instance_id)}"
+
+    def _event(self, reason: EventReason, region: OffloadRegion, message: str) -> None:
+        self._events.append(AgentEvent(reason, message, region.key, region.uid))
+
+
+def _ready_message(hosted: HostedRegion) -> str:
+    status = hosted.status()
+    size = hosted.region.size_bytes
+    parts = [f"{hosted.path} ready ({format_bytes(size)})"]
+    if status.populate_seconds:
+        rate = size / status.populate_seconds / 1e9 if status.populate_seconds else 0.0
+        parts.append(f"populated in {status.populate_seconds:.2f}s ({rate:.1f} GB/s)")
+    parts.append("locked" if status.locked else "not locked")
+    return ", ".join(parts)

@@ -1,0 +1,42 @@
+"""What a region source tells the reconciler: the regions it knows, this node, the reclaims."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvshm.agent.reclaim import ReclaimRequest
+from kvshm.api import OffloadRegion
+
+
+@dataclass(frozen=True)
+class KnownRegion:
+    region: OffloadRegion
+    deleting: bool = False  # metadata.deletionTimestamp is set: drain it everywhere
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    node_name: str
+    node_labels: Mapping[str, str] = field(default_factory=dict)
+    regions: Mapping[str, KnownRegion] = field(default_factory=dict)  # "<ns>/<name>" -> region
+    invalid: Mapping[str, str] = field(default_factory=dict)  # key -> why its spec was refused
+    reclaims: Sequence[ReclaimRequest] = ()
+    problems: Sequence[str] = ()  # source-level trouble (an unreadable file, a lost watch)
+
+    def placed_here(self) -> dict[str, OffloadRegion]:
+        """The regions this node must hold: placed here and not being deleted."""
+        return {
+            key: known.region
+            for key, known in self.regions.items()
+            if not known.deleting
+            and known.region.placement.matches(self.node_name, self.node_labels)
+        }
+
+    def claimant(self, namespace: str, name: str, instance_id: str) -> str:
+        """Key of the region that names this file; an unreadable spec claims its directory."""
+        key = f"{namespace}/{name}"
+        known = self.regions.get(key)
+        if known is not None and known.region.instance_id == instance_id:
+            return key
+        return key if key in self.invalid else ""

@@ -1,0 +1,1 @@
+"""Tests of kvshm.agent: the node agent."""

@@ -1,0 +1,127 @@
+"""Small builders shared by the agent tests: regions, views, a reconciler on a real tmpfs root."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvshm.agent.drain import DrainEvent
+from kvshm.agent.holders import HoldChecker
+from kvshm.agent.hosting import HostingSettings
+from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
+from kvshm.agent.reports import PassResult
+from kvshm.agent.saferoot import RegionDir, RegionRoot
+from kvshm.agent.view import ClusterView, KnownRegion
+from kvshm.api import OffloadRegion, parse_offload_region
+
+MIB = 1024 * 1024
+NODE = "node-a"
+
+
+def manifest(
+    name: str = "r1",
+    namespace: str = "ns1",
+    *,
+    blocks: int = 16,
+    page: int = 65536,
+    workers: int = 2,
+    **spec: Any,
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvshm.dev/v1alpha1",
+        "kind": "OffloadRegion",
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{namespace}-{name}"},
+        "spec": {
+            "layout": {"numBlocks": blocks, "cpuPageSize": page, "numWorkers": workers},
+            **spec,
+        },
+    }
+
+
+def region(name: str = "r1", namespace: str = "ns1", **kwargs: Any) -> OffloadRegion:
+    return parse_offload_region(manifest(name, namespace, **kwargs))
+
+
+def view(*regions: OffloadRegion, deleting: tuple[str, ...] = (), **kwargs: Any) -> ClusterView:
+    known = {r.key: KnownRegion(r, r.key in deleting) for r in regions}
+    return ClusterView(NODE, kwargs.pop("labels", {}), known, **kwargs)
+
+
+class RecordingNotifier:
+    """Records drain events; makes one file in the region directory, as a queue would."""
+
+    FILE = "kvshm_events_test"
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, DrainEvent]] = []
+
+    def publish(self, region_dir: RegionDir, event: DrainEvent) -> None:
+        self.events.append((region_dir.key, event))
+        fd = os.open(
+            self.FILE, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600, dir_fd=region_dir.fd
+        )
+        os.close(fd)
+
+    def file_names(self, region_dir: RegionDir) -> list[str]:
+        return [self.FILE]
+
+
+def make_reconciler(
+    root: Path,
+    *,
+    notifier: RecordingNotifier | None = None,
+    proc_scan: bool = False,
+    threads: int = 2,
+    rate: float | None = None,
+    **settings: Any,
+) -> NodeReconciler:
+    return NodeReconciler(
+        RegionRoot(str(root)),
+        notifier or RecordingNotifier(),
+        ReconcilerSettings(hosting=HostingSettings(threads, rate), **settings),
+        holds=HoldChecker(proc_scan=proc_scan),
+    )
+
+
+def settle(reconciler: NodeReconciler, cluster: ClusterView, passes: int = 50) -> PassResult:
+    """Pass until nothing is in progress (opening threads joined between passes)."""
+    result = reconciler.reconcile(cluster)
+    for _ in range(passes):
+        if result.settled:
+            return result
+        reconciler.wait_idle(10)
+        result = reconciler.reconcile(cluster)
+    raise AssertionError(f"not settled after {passes} passes: {result.reports}")
+
+
+_HOLDER = """
+import fcntl, mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+if sys.argv[2] == "flock":
+    fcntl.flock(fd, fcntl.LOCK_SH)
+m = mmap.mmap(fd, 0)
+if sys.argv[2] != "flock":
+    os.close(fd)  # mapped only, as vLLM's own code leaves it after attaching
+print("holding", flush=True)
+time.sleep(60)
+"""
+
+
+@contextlib.contextmanager
+def holding(path: Path, how: str = "flock") -> Iterator[subprocess.Popen[str]]:
+    """Another process maps the file: with a shared flock like kvshm attachers ("flock"), or
+    mapped only, with no flock and no open descriptor ("map")."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(path), how], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
