@@ -17,6 +17,7 @@ from kvshm.transfer import (
     CPULoadStoreSpec,
     GPULoadStoreSpec,
     HandlerClosedError,
+    SingleDirectionOffloadingHandler,
     TransferResult,
 )
 from kvshm.transfer.backends.cpu import CpuMemmoveBackend
@@ -288,3 +289,23 @@ def test_an_empty_job_finishes_with_zero_bytes(pair: CpuGpuOffloadingHandlers) -
     assert pair.gpu_to_cpu_handler.transfer_async(4, spec)
     [result] = finish(pair.gpu_to_cpu_handler, [4])
     assert (result.job_id, result.success, result.transfer_size) == (4, True, 0)
+
+
+def test_the_handler_keeps_its_tensors_alive() -> None:
+    """The planner works with addresses: tensors the caller drops must not be freed."""
+    import gc
+
+    def build() -> SingleDirectionOffloadingHandler:
+        gpu = [torch.arange(64, dtype=torch.int8).reshape(4, 16)]
+        cpu = [torch.zeros((4, 16), dtype=torch.int8)]
+        return SingleDirectionOffloadingHandler(gpu, cpu, 1, [[CanonicalKVCacheRef(0, 16)]], True)
+
+    handler = build()
+    gc.collect()
+    garbage = [torch.full((4, 16), 7, dtype=torch.int8) for _ in range(64)]  # reuse freed memory
+    handler.transfer_async(1, (GPULoadStoreSpec([2], [1], [0]), CPULoadStoreSpec([3])))
+    [result] = finish(handler, [1])
+    assert result.success
+    assert handler.cpu_tensors[0][3].tolist() == list(range(32, 48))
+    assert all(bool((g == 7).all()) for g in garbage)
+    handler.shutdown()

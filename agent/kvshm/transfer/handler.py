@@ -33,9 +33,6 @@ class _Job:
     job_id: int
     ticket: Ticket
     size_bytes: int
-    reported: bool
-    """False for a job whose launch failed: transfer_async returned False for it, so it is
-    never reported, but it stays in the chain until its issued copies are done."""
 
 
 def _timeline_for(device: torch.device) -> Timeline:
@@ -70,6 +67,9 @@ class SingleDirectionOffloadingHandler:
         policy: BackendPolicy | None = None,
     ) -> None:
         pairs = check_tensors(gpu_tensors, cpu_tensors, block_size_factor)
+        # the planner works with addresses: these references keep the memory behind them alive
+        self.gpu_tensors = list(gpu_tensors)
+        self.cpu_tensors = list(cpu_tensors)
         self.kv_cache_groups_data_refs = check_group_refs(kv_cache_groups_data_refs, pairs)
         self.gpu_to_cpu = bool(gpu_to_cpu)
         self.direction = Direction.GPU_TO_CPU if self.gpu_to_cpu else Direction.CPU_TO_GPU
@@ -101,11 +101,9 @@ class SingleDirectionOffloadingHandler:
         return self._chooser.names
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        """Queue a job; True once its copies are issued, False if issuing them failed.
-
-        A spec that does not describe a valid transfer raises InvalidTransferSpecError and
-        queues nothing.
-        """
+        """Queue a job and return True; a copy that fails later is reported by get_finished
+        as success=False. A spec that does not describe a valid transfer raises
+        InvalidTransferSpecError and queues nothing."""
         if self._closed:
             raise HandlerClosedError(f"job {job_id}: the handler was shut down")
         if job_id in self._pending:
@@ -115,36 +113,22 @@ class SingleDirectionOffloadingHandler:
         batch = self._planner.plan(spec, pinned=self._pinned_tables)
         backend = self._chooser.choose(batch)
         ticket = self._timeline.launch(partial(backend.copy, batch), self.gpu_to_cpu)
-        job = _Job(job_id, ticket, batch.total_bytes, reported=ticket.error is None)
+        job = _Job(job_id, ticket, batch.total_bytes)
         self._jobs.append(job)
-        if job.reported:
-            self._pending[job_id] = job
-            return True
-        log.error(
-            "transfer job %d (%s, %s backend) failed to launch: %s",
-            job_id,
-            self.direction.value,
-            backend.name,
-            ticket.error,
-        )
-        self._metrics.failed()
-        return False
+        self._pending[job_id] = job
+        return True
 
     def get_finished(self) -> list[TransferResult]:
         """Results of the jobs finished since the last call, in submission order."""
         results = []
         while self._jobs and self._jobs[0].ticket.done():
-            result = self._retire(self._jobs.popleft())
-            if result is not None:
-                results.append(result)
+            results.append(self._retire(self._jobs.popleft()))
         return results
 
-    def _retire(self, job: _Job) -> TransferResult | None:
+    def _retire(self, job: _Job) -> TransferResult:
         ticket = job.ticket
         seconds = ticket.seconds()
         self._timeline.release(ticket)
-        if not job.reported:
-            return None
         del self._pending[job.job_id]
         success = ticket.error is None
         if success:

@@ -2,7 +2,7 @@
 
 A Timeline runs each launched job after the previous one finished, timing it from start to
 end. CpuTimeline runs jobs on one worker thread (the CPU backend's "stream"); CudaTimeline
-(kvshm.transfer.cuda_timeline) chains CUDA streams with events.
+(kvshm.transfer.cuda_timeline) issues them from one worker thread onto one CUDA stream.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class Ticket(ABC):
     """One launched job."""
 
     error: BaseException | None = None
-    """Set if the job's work raised (at launch on a GPU, when it ran on the CPU)."""
+    """Set, before the ticket reads as done, if the job's work raised."""
 
     @abstractmethod
     def done(self) -> bool: ...
