@@ -21,8 +21,16 @@ NODE_PLURAL = "offloadnodes"
 
 # Kubernetes object names (RFC 1123 DNS labels / subdomains): they become directory names.
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+MAX_DNS_SUBDOMAIN = 253
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+MAX_LABEL_VALUE = 63
+
+# Bounds shared with charts/kvshm/crds/offloadregions.kvshm.dev.yaml (tests/api checks they agree).
 MAX_ID = 2**31 - 1
+MAX_NUM_WORKERS = 1024
+MAX_NODE_NAMES = 1000
+MAX_NODE_SELECTOR_LABELS = 64
 
 
 class SpecError(ValueError):
@@ -112,7 +120,11 @@ class OffloadRegion:
 
 
 def _field(spec: Mapping[str, Any], path: str, kind: type, default: Any) -> Any:
-    value = spec.get(path.rsplit(".", 1)[-1], default)
+    value = spec.get(path.rsplit(".", 1)[-1])
+    if value is None:  # absent or null: the API server prunes a null, so its default applies
+        if default is None:
+            raise SpecError(f"spec.{path} is required")
+        value = default
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise SpecError(f"spec.{path} must be an integer, got {value!r}")
     if kind is not int and not isinstance(value, kind):
@@ -137,14 +149,17 @@ def parse_offload_region(manifest: Mapping[str, Any]) -> OffloadRegion:
     metadata = _mapping(manifest, "metadata", "metadata")
     name = metadata.get("name")
     namespace = metadata.get("namespace") or "default"
-    if not isinstance(name, str) or not _DNS_SUBDOMAIN.fullmatch(name):
+    if not isinstance(name, str) or not _is_dns_subdomain(name):
         raise SpecError(
-            f"metadata.name {name!r} must be a lowercase DNS name (letters, digits, '-', '.')"
+            f"metadata.name {name!r} must be a lowercase DNS name (letters, digits, '-', '.'; "
+            f"at most {MAX_DNS_SUBDOMAIN} characters)"
         )
     if not isinstance(namespace, str) or not _DNS_LABEL.fullmatch(namespace):
         raise SpecError(f"metadata.namespace {namespace!r} must be a lowercase DNS label")
     spec = _mapping(manifest, "spec", "spec")
 
+    if spec.get("layout") is None:
+        raise SpecError("spec.layout is required: give numBlocks and cpuPageSize")
     instance_id = _field(spec, "instanceId", str, name)
     try:
         validate_instance_id(instance_id)
@@ -160,14 +175,12 @@ def parse_offload_region(manifest: Mapping[str, Any]) -> OffloadRegion:
         )
     except InvalidLayoutError as exc:
         raise SpecError(f"spec.layout: {exc}") from exc
+    if layout.num_workers > MAX_NUM_WORKERS:
+        raise SpecError(
+            f"spec.layout.numWorkers is {layout.num_workers}; at most {MAX_NUM_WORKERS} are allowed"
+        )
 
-    placement_spec = _mapping(spec, "placement", "spec.placement")
-    node_names = _field(placement_spec, "placement.nodeNames", list, [])
-    selector = _mapping(placement_spec, "nodeSelector", "spec.placement.nodeSelector")
-    if not all(isinstance(n, str) and n for n in node_names):
-        raise SpecError(f"spec.placement.nodeNames must be node names, got {node_names!r}")
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in selector.items()):
-        raise SpecError("spec.placement.nodeSelector must map label names to string values")
+    placement = _parse_placement(spec)
 
     access_spec = _mapping(spec, "access", "spec.access")
     uid = _field(access_spec, "access.uid", int, 0)
@@ -191,7 +204,7 @@ def parse_offload_region(manifest: Mapping[str, Any]) -> OffloadRegion:
         namespace=namespace,
         instance_id=instance_id,
         layout=layout,
-        placement=RegionPlacement(tuple(node_names), dict(selector)),
+        placement=placement,
         access=RegionAccess(uid, gid, mode),
         populate=_field(spec, "populate", bool, True),
         lock=_field(spec, "lock", bool, True),
@@ -199,3 +212,42 @@ def parse_offload_region(manifest: Mapping[str, Any]) -> OffloadRegion:
         uid=str(metadata.get("uid", "")),
         generation=int(metadata.get("generation", 0) or 0),
     )
+
+
+def _parse_placement(spec: Mapping[str, Any]) -> RegionPlacement:
+    """spec.placement: nodeNames and nodeSelector both apply; neither means every node."""
+    placement_spec = _mapping(spec, "placement", "spec.placement")
+    has_names = placement_spec.get("nodeNames") is not None
+    node_names = _field(placement_spec, "placement.nodeNames", list, []) if has_names else []
+    if has_names and not 1 <= len(node_names) <= MAX_NODE_NAMES:
+        raise SpecError(f"spec.placement.nodeNames must list 1 to {MAX_NODE_NAMES} nodes")
+    for node_name in node_names:
+        if not isinstance(node_name, str) or not _is_dns_subdomain(node_name):
+            raise SpecError(
+                f"spec.placement.nodeNames: {node_name!r} is not a node name "
+                f"(a lowercase DNS name of at most {MAX_DNS_SUBDOMAIN} characters)"
+            )
+    if len(set(node_names)) != len(node_names):
+        raise SpecError(f"spec.placement.nodeNames lists a node twice: {node_names!r}")
+    selector = _mapping(placement_spec, "nodeSelector", "spec.placement.nodeSelector")
+    if len(selector) > MAX_NODE_SELECTOR_LABELS:
+        raise SpecError(
+            f"spec.placement.nodeSelector has {len(selector)} labels; "
+            f"at most {MAX_NODE_SELECTOR_LABELS} are allowed"
+        )
+    for key, value in selector.items():
+        if not isinstance(value, str) or not _is_label_value(value):
+            raise SpecError(
+                f"spec.placement.nodeSelector[{key}]: {value!r} is not a label value "
+                f"(at most {MAX_LABEL_VALUE} letters, digits, '-', '_' or '.', "
+                f"starting and ending with a letter or digit)"
+            )
+    return RegionPlacement(tuple(node_names), dict(selector))
+
+
+def _is_dns_subdomain(name: str) -> bool:
+    return len(name) <= MAX_DNS_SUBDOMAIN and _DNS_SUBDOMAIN.fullmatch(name) is not None
+
+
+def _is_label_value(value: str) -> bool:
+    return len(value) <= MAX_LABEL_VALUE and _LABEL_VALUE.fullmatch(value) is not None

@@ -1,0 +1,373 @@
+"""parse_offload_region accepts exactly what the API server (with the CRD) accepts, same defaults.
+
+Each manifest goes through both: the emulator's admission (the CRD's schema, defaults and CEL
+rules) and kvshm.api's parser. They must agree on accept/refuse; when both accept, parsing the
+server's defaulted object must give what parsing the raw manifest gives.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvshm.api import OffloadRegion, SpecError, parse_offload_region
+from kvshm.api import resources as api_resources
+from tests.api.admission import REGION_SCHEMA, admit, fresh_store, rules, schema_nodes
+from tests.kube.errors import ApiError
+
+INT64_MAX = 2**63 - 1
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "regions" / "demo.yaml"
+
+Edit = Callable[[dict[str, Any]], None]
+
+
+def minimal() -> dict[str, Any]:
+    return {
+        "apiVersion": "kvshm.dev/v1alpha1",
+        "kind": "OffloadRegion",
+        "metadata": {"name": "r1", "namespace": "default"},
+        "spec": {"layout": {"numBlocks": 16, "cpuPageSize": 4096}},
+    }
+
+
+def setting(path: str, value: Any) -> Edit:
+    """An edit that sets spec.<path> (dotted), creating objects on the way."""
+
+    def edit(manifest: dict[str, Any]) -> None:
+        node = manifest
+        *parents, last = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+
+    return edit
+
+
+def removing(path: str) -> Edit:
+    def edit(manifest: dict[str, Any]) -> None:
+        node = manifest
+        *parents, last = path.split(".")
+        for key in parents:
+            node = node[key]
+        del node[last]
+
+    return edit
+
+
+GOOD: dict[str, list[Edit]] = {
+    "minimal": [],
+    "every field explicit": [
+        setting("spec.instanceId", "engine-0.a_b"),
+        setting("spec.layout.numWorkers", 8),
+        setting(
+            "spec.placement", {"nodeNames": ["gpu-1", "gpu-2.zone"], "nodeSelector": {"a/b": "c"}}
+        ),
+        setting("spec.populate", False),
+        setting("spec.lock", False),
+        setting("spec.reclaimPolicy", "Retain"),
+        setting("spec.access", {"uid": 1000, "gid": 2000, "mode": 0o660}),
+    ],
+    "nodeNames only": [setting("spec.placement", {"nodeNames": ["n1"]})],
+    "nodeSelector only": [setting("spec.placement", {"nodeSelector": {"pool": "kv"}})],
+    "empty nodeSelector selects every node": [setting("spec.placement", {"nodeSelector": {}})],
+    "empty placement selects every node": [setting("spec.placement", {})],
+    "empty label value": [setting("spec.placement", {"nodeSelector": {"pool": ""}})],
+    "mode 0640": [setting("spec.access.mode", 0o640)],
+    "mode 0": [setting("spec.access.mode", 0)],
+    "largest uid and gid": [setting("spec.access", {"uid": 2**31 - 1, "gid": 2**31 - 1})],
+    "most workers": [setting("spec.layout.numWorkers", 1024)],
+    "largest size": [setting("spec.layout", {"numBlocks": INT64_MAX, "cpuPageSize": 1})],
+    "size just fits": [
+        setting("spec.layout", {"numBlocks": 2**61 - 1, "cpuPageSize": 2, "numWorkers": 2})
+    ],
+    "null fields take their defaults": [
+        setting("spec.populate", None),
+        setting("spec.access", None),
+        setting("spec.layout.numWorkers", None),
+    ],
+    "unknown fields are dropped": [setting("spec.colour", "blue"), setting("spec.layout.x", 1)],
+    "long name with instanceId": [
+        setting("metadata.name", "a" * 253),
+        setting("spec.instanceId", "short"),
+    ],
+    "name of 128 characters is its own instanceId": [setting("metadata.name", "b" * 128)],
+    "instanceId of 128 characters": [setting("spec.instanceId", "C" * 128)],
+    "other namespace": [setting("metadata.namespace", "team-a")],
+}
+
+# case -> (edits, the field the API server names, what the parser's message says)
+BAD: dict[str, tuple[list[Edit], str, str]] = {
+    "no spec": ([removing("spec")], "spec", "spec.layout"),
+    "no layout": ([removing("spec.layout")], "spec.layout", "spec.layout"),
+    "no numBlocks": ([removing("spec.layout.numBlocks")], "spec.layout.numBlocks", "numBlocks"),
+    "no cpuPageSize": (
+        [removing("spec.layout.cpuPageSize")],
+        "spec.layout.cpuPageSize",
+        "cpuPageSize",
+    ),
+    "zero blocks": ([setting("spec.layout.numBlocks", 0)], "spec.layout.numBlocks", "num_blocks"),
+    "negative page": (
+        [setting("spec.layout.cpuPageSize", -1)],
+        "spec.layout.cpuPageSize",
+        "cpu_page_size",
+    ),
+    "string blocks": (
+        [setting("spec.layout.numBlocks", "16")],
+        "spec.layout.numBlocks",
+        "numBlocks",
+    ),
+    "fractional blocks": (
+        [setting("spec.layout.numBlocks", 1.5)],
+        "spec.layout.numBlocks",
+        "numBlocks",
+    ),
+    "boolean workers": (
+        [setting("spec.layout.numWorkers", True)],
+        "spec.layout.numWorkers",
+        "numWorkers",
+    ),
+    "zero workers": (
+        [setting("spec.layout.numWorkers", 0)],
+        "spec.layout.numWorkers",
+        "num_workers",
+    ),
+    "too many workers": (
+        [setting("spec.layout.numWorkers", 1025)],
+        "spec.layout.numWorkers",
+        "numWorkers",
+    ),
+    "size over int64": (
+        [setting("spec.layout", {"numBlocks": 2**61, "cpuPageSize": 2, "numWorkers": 2})],
+        "spec.layout",
+        "fewer blocks",
+    ),
+    "layout not an object": ([setting("spec.layout", [1, 2])], "spec.layout", "spec.layout"),
+    "empty instanceId": ([setting("spec.instanceId", "")], "spec.instanceId", "empty"),
+    "instanceId with a slash": (
+        [setting("spec.instanceId", "a/b")],
+        "spec.instanceId",
+        "not allowed",
+    ),
+    "instanceId starting with a dot": (
+        [setting("spec.instanceId", ".a")],
+        "spec.instanceId",
+        "not allowed",
+    ),
+    "instanceId with ..": ([setting("spec.instanceId", "a..b")], "spec.instanceId", "'..'"),
+    "instanceId too long": ([setting("spec.instanceId", "x" * 129)], "spec.instanceId", "129"),
+    "name too long for an instanceId": ([setting("metadata.name", "n" * 129)], "", "129"),
+    "name not a DNS name": (
+        [setting("metadata.name", "Bad_Name")],
+        "metadata.name",
+        "metadata.name",
+    ),
+    "name with ..": ([setting("metadata.name", "a..b")], "metadata.name", "metadata.name"),
+    "name too long": (
+        [setting("metadata.name", "a" * 254), setting("spec.instanceId", "x")],
+        "metadata.name",
+        "metadata.name",
+    ),
+    "world-readable mode": (
+        [setting("spec.access.mode", 0o644)],
+        "spec.access.mode",
+        "other users",
+    ),
+    "world-writable mode": (
+        [setting("spec.access.mode", 0o602)],
+        "spec.access.mode",
+        "other users",
+    ),
+    "mode above 0777": ([setting("spec.access.mode", 0o1000)], "spec.access.mode", "0-0777"),
+    "negative mode": ([setting("spec.access.mode", -8)], "spec.access.mode", "0-0777"),
+    "negative uid": ([setting("spec.access.uid", -1)], "spec.access.uid", "uid/gid"),
+    "gid above 2^31-1": ([setting("spec.access.gid", 2**31)], "spec.access.gid", "uid/gid"),
+    "access not an object": ([setting("spec.access", "rw")], "spec.access", "spec.access"),
+    "unknown reclaimPolicy": (
+        [setting("spec.reclaimPolicy", "Keep")],
+        "spec.reclaimPolicy",
+        "Delete or Retain",
+    ),
+    "populate as a string": ([setting("spec.populate", "yes")], "spec.populate", "spec.populate"),
+    "lock as a number": ([setting("spec.lock", 1)], "spec.lock", "spec.lock"),
+    "empty nodeNames": (
+        [setting("spec.placement", {"nodeNames": []})],
+        "spec.placement.nodeNames",
+        "1 to 1000",
+    ),
+    "too many nodeNames": (
+        [setting("spec.placement", {"nodeNames": [f"n{i}" for i in range(1001)]})],
+        "spec.placement.nodeNames",
+        "1 to 1000",
+    ),
+    "node name not a DNS name": (
+        [setting("spec.placement", {"nodeNames": ["Node_A"]})],
+        "spec.placement.nodeNames[0]",
+        "not a node name",
+    ),
+    "node listed twice": (
+        [setting("spec.placement", {"nodeNames": ["a", "a"]})],
+        "spec.placement.nodeNames[1]",
+        "twice",
+    ),
+    "bad label value": (
+        [setting("spec.placement", {"nodeSelector": {"pool": "a b"}})],
+        "spec.placement.nodeSelector[pool]",
+        "not a label value",
+    ),
+    "label value too long": (
+        [setting("spec.placement", {"nodeSelector": {"pool": "v" * 64}})],
+        "spec.placement.nodeSelector[pool]",
+        "not a label value",
+    ),
+    "label value not a string": (
+        [setting("spec.placement", {"nodeSelector": {"pool": 3}})],
+        "spec.placement.nodeSelector[pool]",
+        "not a label value",
+    ),
+    "too many labels": (
+        [setting("spec.placement", {"nodeSelector": {f"k{i}": "v" for i in range(65)}})],
+        "spec.placement.nodeSelector",
+        "at most 64",
+    ),
+}
+
+
+def manifest_for(edits: list[Edit]) -> dict[str, Any]:
+    manifest = minimal()
+    for edit in edits:
+        edit(manifest)
+    return manifest
+
+
+def prepared_store_admit(manifest: dict[str, Any]) -> dict[str, Any] | ApiError:
+    store = fresh_store()
+    namespace = manifest["metadata"].get("namespace", "default")
+    if namespace != "default":
+        namespaces = store.resource("", "v1", "namespaces")
+        store.create(namespaces, None, {"metadata": {"name": namespace}})
+    return admit(manifest, store)
+
+
+def spec_of(region: OffloadRegion) -> dict[str, Any]:
+    """The parsed region written back as the CRD's spec, every default explicit."""
+    spec: dict[str, Any] = {
+        "layout": {
+            "numBlocks": region.layout.num_blocks,
+            "cpuPageSize": region.layout.cpu_page_size,
+            "numWorkers": region.layout.num_workers,
+        },
+        "populate": region.populate,
+        "lock": region.lock,
+        "reclaimPolicy": region.reclaim_policy.value,
+        "access": {"uid": region.access.uid, "gid": region.access.gid, "mode": region.access.mode},
+    }
+    placement = region.placement
+    if placement.node_names or placement.node_selector:
+        spec["placement"] = {}
+        if placement.node_names:
+            spec["placement"]["nodeNames"] = list(placement.node_names)
+        if placement.node_selector:
+            spec["placement"]["nodeSelector"] = dict(placement.node_selector)
+    return spec
+
+
+@pytest.mark.parametrize("case", GOOD, ids=list(GOOD))
+def test_both_accept_with_the_same_defaults(case: str) -> None:
+    manifest = manifest_for(GOOD[case])
+    stored = prepared_store_admit(copy.deepcopy(manifest))
+    assert not isinstance(stored, ApiError), stored
+    parsed = parse_offload_region(manifest)
+    assert parse_offload_region(stored) == _with_server_fields(parsed, stored)
+    expected = spec_of(parsed)
+    stored_spec = dict(stored["spec"])
+    instance_id = stored_spec.pop("instanceId", stored["metadata"]["name"])
+    assert instance_id == parsed.instance_id
+    placement = stored_spec.get("placement", {})
+    if placement.get("nodeSelector") == {}:
+        placement.pop("nodeSelector")  # selects every node, as no selector does
+    if "placement" in stored_spec and not placement:
+        stored_spec.pop("placement")  # an empty placement is every node, as none is
+    assert stored_spec == expected
+
+
+def _with_server_fields(parsed: OffloadRegion, stored: dict[str, Any]) -> OffloadRegion:
+    meta = stored["metadata"]
+    return dataclasses.replace(parsed, uid=meta["uid"], generation=meta["generation"])
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_both_refuse_and_name_the_field(case: str) -> None:
+    edits, api_field, parser_says = BAD[case]
+    manifest = manifest_for(edits)
+    refused = prepared_store_admit(copy.deepcopy(manifest))
+    assert isinstance(refused, ApiError), f"the API server accepted {case}: {refused}"
+    assert refused.code == 422, refused.status()
+    fields = [cause["field"] for cause in refused.details["causes"]]
+    named = [
+        f for f in fields if f == api_field or f.startswith((api_field + ".", api_field + "["))
+    ]
+    assert named, (fields, refused.message)
+    with pytest.raises(SpecError) as raised:
+        parse_offload_region(manifest)
+    assert parser_says in str(raised.value)
+
+
+def test_every_rule_of_the_crd_refuses_some_manifest_of_the_table() -> None:
+    """No CEL rule goes untested: each (but the update-only ones) fires for a BAD case."""
+    fired: set[str] = set()
+    for edits, _, _ in BAD.values():
+        refused = prepared_store_admit(manifest_for(edits))
+        assert isinstance(refused, ApiError)
+        fired.add(refused.message)
+    for path, rule in rules(REGION_SCHEMA):
+        if "oldSelf" in rule["rule"]:
+            continue  # transition rules: test_crd_updates.py
+        assert any(rule["message"] in message for message in fired), (path, rule["rule"])
+
+
+def test_every_default_of_the_crd_is_the_parsers() -> None:
+    stored = prepared_store_admit(minimal())
+    assert not isinstance(stored, ApiError)
+    parsed = parse_offload_region(minimal())
+    defaults = {
+        path: node["default"] for path, node in schema_nodes(REGION_SCHEMA) if "default" in node
+    }
+    assert defaults, "the CRD declares no defaults?"
+    rendered = {"spec": spec_of(parsed)}
+    for path, default in defaults.items():
+        node: Any = rendered
+        for key in path.split("."):
+            node = node[key]
+        if isinstance(default, dict):
+            continue  # an object default ({}): its fields' defaults are checked one by one
+        assert node == default, path
+
+
+def test_bounds_of_the_crd_are_the_parsers() -> None:
+    nodes = dict(schema_nodes(REGION_SCHEMA))
+    assert nodes["spec.layout.numWorkers"]["maximum"] == api_resources.MAX_NUM_WORKERS
+    assert nodes["spec.access.uid"]["maximum"] == api_resources.MAX_ID
+    assert nodes["spec.access.gid"]["maximum"] == api_resources.MAX_ID
+    assert nodes["spec.access.mode"]["maximum"] == 0o777
+    assert nodes["spec.instanceId"]["maxLength"] == 128
+    assert nodes["spec.placement.nodeNames"]["maxItems"] == api_resources.MAX_NODE_NAMES
+    assert (
+        nodes["spec.placement.nodeSelector"]["maxProperties"]
+        == api_resources.MAX_NODE_SELECTOR_LABELS
+    )
+    assert nodes["spec.placement.nodeSelector[*]"]["maxLength"] == api_resources.MAX_LABEL_VALUE
+    assert nodes["spec.placement.nodeNames[*]"]["maxLength"] == api_resources.MAX_DNS_SUBDOMAIN
+    assert nodes["spec.reclaimPolicy"]["enum"] == [p.value for p in api_resources.ReclaimPolicy]
+
+
+def test_the_demo_region_is_accepted_by_both() -> None:
+    manifest = yaml.safe_load(DEMO.read_text())
+    stored = prepared_store_admit(copy.deepcopy(manifest))
+    assert not isinstance(stored, ApiError), stored
+    assert parse_offload_region(stored).layout == parse_offload_region(manifest).layout
