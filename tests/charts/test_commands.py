@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvshm.agent.cli import build_parser
 from kvshm.operator.main import parse_args
@@ -56,11 +57,13 @@ def test_operator_args_parse(values: Path | None) -> None:
     assert int(parsed.metrics_port) == ports["metrics"]
     assert parsed.liveness == f"http://0.0.0.0:{ports['health']}/healthz"
     assert parsed.peering_mode == "standalone"
+    chosen = {} if values is None else yaml.safe_load(values.read_text())
+    assert parsed.namespace == chosen.get("operator", {}).get("watchNamespaces", [])
 
 
 def test_operator_options_reach_the_operator() -> None:
     container = _container("Deployment", "-operator", sets=ALL_OPTIONS)
     parsed = parse_args(container["args"])  # type: ignore[arg-type]
-    assert parsed.namespace == ["serving", "batch"] and not parsed.all_namespaces
+    assert parsed.namespace == ["serving", "batch"]
     assert parsed.orphan_dry_run is True
     assert float(parsed.orphan_grace_seconds) == 600
