@@ -167,7 +167,7 @@ def specs_for(setup: Setup, direction: str) -> list[tuple[Any, Any]]:
 
 def one_call_per_job(setup: Setup, direction: str, reps: int) -> float:
     handler = handler_for(setup, direction, backend="dma")
-    batches = [handler._planner.plan(spec, pinned=True) for spec in specs_for(setup, direction)]
+    batches = [handler._planner.plan(spec) for spec in specs_for(setup, direction)]
     handler.shutdown()
     driver = cuda_driver()
     attributes = CopyDirection(direction == "D2H", torch.cuda.current_device()).attributes()
@@ -289,7 +289,7 @@ def both_directions_gbps(setup: Setup, reps: int, **kwargs: Any) -> float:
 
 def chosen_backend(setup: Setup, direction: str) -> str:
     handler = handler_for(setup, direction)
-    batch = handler._planner.plan(specs_for(setup, direction)[0], pinned=False)
+    batch = handler._planner.plan(specs_for(setup, direction)[0])
     name = handler._chooser.choose(batch).name
     handler.shutdown()
     return name

@@ -19,7 +19,7 @@ class Named(CopyBackend):
 
 
 def batch_of(count: int, each: int) -> CopyBatch:
-    return CopyBatch.allocate(count, pinned=False).with_total(count * each)
+    return CopyBatch.allocate(count).with_total(count * each)
 
 
 POLICY = BackendPolicy({Direction.CPU_TO_GPU: 128 * 1024, Direction.GPU_TO_CPU: 0})

@@ -11,16 +11,15 @@ import torch
 
 @dataclass(frozen=True)
 class CopyBatch:
-    """table is a (3, count) int64 CPU tensor (pinned when copies run on a GPU): row 0 holds
-    source addresses, row 1 destination addresses, row 2 sizes in bytes. `rows` is the same
-    memory as a numpy array."""
+    """table is a (3, count) int64 CPU tensor: row 0 holds source addresses, row 1 destination
+    addresses, row 2 sizes in bytes. `rows` is the same memory as a numpy array."""
 
     table: torch.Tensor
     rows: npt.NDArray[np.int64]
     total_bytes: int
 
     @classmethod
-    def allocate(cls, count: int, pinned: bool) -> CopyBatch:
+    def allocate(cls, count: int, pinned: bool = False) -> CopyBatch:
         table = torch.empty((3, count), dtype=torch.int64, pin_memory=pinned)
         return cls(table, table.numpy(), 0)
 

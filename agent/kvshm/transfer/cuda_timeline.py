@@ -1,20 +1,16 @@
-"""CudaTimeline: a handler's jobs on one CUDA stream, issued by one worker thread.
+"""CudaTimeline: a handler's jobs, issued by the caller, on one CUDA stream.
 
 One stream keeps jobs in submission order by stream semantics alone. vLLM instead puts each
 job on a pooled stream that waits for the previous job's end event; on an H200 that chain
 measured 2-3 GB/s slower at 256 KiB blocks than one stream (bench/transfer/explore.py), and
 the observable contract (in-order completion, timing, waits) is the same.
 
-The worker thread does the issuing, so transfer_async returns after the pointer math instead
-of after thousands of driver calls, and the two directions issue in parallel (the driver
-releases the GIL). A GPU->CPU job still waits for exactly the compute work queued when it was
-submitted: an event recorded on the caller's stream at that moment.
+Copies are issued in the caller's thread, inside transfer_async. Issuing from a worker thread
+was measured too and lost 5-10 % end to end: between driver calls the worker needs the GIL,
+which the caller holds while it plans the next jobs (docs/transfer.md).
 """
 
 from __future__ import annotations
-
-import queue
-import threading
 
 import torch
 
@@ -22,26 +18,15 @@ from kvshm.transfer.timeline import Ticket, Timeline, Work
 
 
 class CudaTicket(Ticket):
-    def __init__(
-        self,
-        work: Work,
-        start: torch.cuda.Event,
-        end: torch.cuda.Event,
-        ready: torch.cuda.Event | None,
-    ) -> None:
-        self.work: Work | None = work
+    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         self.start = start
         self.end = end
-        self.ready = ready
         self.keep: object = None
-        self.issued = threading.Event()
 
     def done(self) -> bool:
-        # an event that was never recorded reads as complete: check it was issued first
-        return self.issued.is_set() and bool(self.end.query())
+        return bool(self.end.query())
 
     def synchronize(self) -> None:
-        self.issued.wait()
         self.end.synchronize()
 
     def seconds(self) -> float:
@@ -49,59 +34,36 @@ class CudaTicket(Ticket):
 
 
 class CudaTimeline(Timeline):
-    def __init__(self, device: torch.device, name: str = "kvshm-transfer-cuda") -> None:
+    def __init__(self, device: torch.device) -> None:
         self._device = device
         self._stream = torch.cuda.Stream(device)
-        self._timing_events: list[torch.cuda.Event] = []
-        self._ready_events: list[torch.cuda.Event] = []
-        self._queue: queue.SimpleQueue[CudaTicket | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._events: list[torch.cuda.Event] = []
 
-    def _timing_event(self) -> torch.cuda.Event:
-        if self._timing_events:
-            return self._timing_events.pop()
-        return torch.cuda.Event(enable_timing=True)
+    def _event(self) -> torch.cuda.Event:
+        return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
 
     def launch(self, work: Work, after_compute: bool) -> Ticket:
-        ready = None
-        if after_compute:
-            ready = self._ready_events.pop() if self._ready_events else torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self._device))
-        ticket = CudaTicket(work, self._timing_event(), self._timing_event(), ready)
-        self._queue.put(ticket)
-        return ticket
-
-    def _run(self) -> None:
-        torch.cuda.set_device(self._device)  # makes the device's context current here
         stream = self._stream
-        while (ticket := self._queue.get()) is not None:
-            if ticket.ready is not None:
-                stream.wait_event(ticket.ready)
+        with torch.cuda.device(self._device):
+            if after_compute:
+                stream.wait_stream(torch.cuda.current_stream(self._device))
+            ticket = CudaTicket(self._event(), self._event())
             ticket.start.record(stream)
             try:
-                assert ticket.work is not None
                 with torch.cuda.stream(stream):
-                    ticket.keep = ticket.work(stream)
+                    ticket.keep = work(stream)
             except Exception as exc:
-                # copies issued before the error still run: the end event still follows them,
-                # so the next job cannot overtake them; the job is reported as failed
+                # copies issued before the error still run: the end event follows them, so
+                # the next job cannot overtake them; the job is reported as failed
                 ticket.error = exc
             ticket.end.record(stream)
-            ticket.work = None
-            ticket.issued.set()
+        return ticket
 
     def release(self, ticket: Ticket) -> None:
         assert isinstance(ticket, CudaTicket)
         ticket.keep = None
-        self._timing_events += [ticket.start, ticket.end]
-        if ticket.ready is not None:
-            self._ready_events.append(ticket.ready)
+        self._events += [ticket.start, ticket.end]
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
         self._stream.synchronize()
-        self._timing_events.clear()
-        self._ready_events.clear()
+        self._events.clear()

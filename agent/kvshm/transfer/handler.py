@@ -88,7 +88,6 @@ class SingleDirectionOffloadingHandler:
             policy or BackendPolicy(),
             backend if backend is not None else override_from_env(),
         )
-        self._pinned_tables = pairs.device.type == "cuda"
         self._timeline = _timeline_for(pairs.device)
         self._metrics = TransferMetrics(self.direction)
         self._jobs: deque[_Job] = deque()
@@ -110,7 +109,7 @@ class SingleDirectionOffloadingHandler:
             raise InvalidTransferSpecError(
                 f"job {job_id} is still in flight: job ids must be unique until finished"
             )
-        batch = self._planner.plan(spec, pinned=self._pinned_tables)
+        batch = self._planner.plan(spec)
         backend = self._chooser.choose(batch)
         ticket = self._timeline.launch(partial(backend.copy, batch), self.gpu_to_cpu)
         job = _Job(job_id, ticket, batch.total_bytes)

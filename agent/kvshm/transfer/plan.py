@@ -57,13 +57,13 @@ class JobPlanner:
         self._gpu_rows = min((self._gpu[i].num_rows for i in used), default=0)
         self._cpu_rows = min((self._cpu[i].num_rows for i in used), default=0)
 
-    def plan(self, spec: object, pinned: bool) -> CopyBatch:
+    def plan(self, spec: object) -> CopyBatch:
         gpu_spec, cpu_spec = self._unpack(spec)
         slices = self._slice_groups(gpu_spec, cpu_spec)
         check_ids_in_range(gpu_spec.block_ids, self._gpu_rows, "GPU")
         check_ids_in_range(cpu_spec.block_ids, self._cpu_rows, "CPU")
         count = sum(s.gpu_count * len(refs) for s, refs in zip(slices, self._groups, strict=True))
-        batch = CopyBatch.allocate(count, pinned)
+        batch = CopyBatch.allocate(count)
         gpu_row, cpu_row = (0, 1) if self._gpu_to_cpu else (1, 0)
         total = 0
         at = 0

@@ -71,10 +71,13 @@ class KernelBackend(CopyBackend):
                 f"a copy of {int(batch.sizes.max())} bytes needs {chunks} chunks of "
                 f"{self._chunk} bytes, more than the grid allows: use a larger chunk_bytes"
             )
-        # allocated on the job's stream, so the caching allocator reuses it only after the
-        # kernel, in stream order; the pinned source is guarded by torch's host allocator
+        # staged through pinned memory so the upload is asynchronous (torch's host allocator
+        # reuses it only after the copy); the device table is allocated on the job's stream,
+        # so the caching allocator reuses it only after the kernel, in stream order
+        staged = torch.empty((3, batch.count), dtype=torch.int64, pin_memory=True)
+        staged.copy_(batch.table)
         table = torch.empty((3, batch.count), dtype=torch.int64, device=self._device)
-        table.copy_(batch.table, non_blocking=True)
+        table.copy_(staged, non_blocking=True)
         grid = (batch.count, chunks)
         self._kernel[grid](table, batch.count, CHUNK_BYTES=self._chunk, num_warps=self._num_warps)
         return table
