@@ -31,6 +31,11 @@ def _program(expression: str) -> celpy.Runner:
         raise CelRuleError(f"CEL expression {expression!r} does not compile: {exc}") from exc
 
 
+def compile_rule(expression: str) -> None:
+    """Raise CelRuleError if the expression does not compile."""
+    _program(expression)
+
+
 def is_transition_rule(expression: str) -> bool:
     """Rules that mention oldSelf run only on updates, when the old value exists."""
     return "oldSelf" in expression

@@ -112,8 +112,6 @@ class Store:
         causes = meta.name_causes(name, label=rtype.plural == "namespaces")
         if causes:
             raise invalid(rtype.kind, rtype.group, str(name or ""), causes)
-        if (namespace, name) in self._bucket(rtype):
-            raise already_exists(rtype.plural, rtype.group, str(name))
         for field in (*meta.SYSTEM_FIELDS, "resourceVersion", "managedFields", "selfLink"):
             metadata.pop(field, None)
         metadata.update(uid=meta.new_uid(), creationTimestamp=meta.now())
@@ -128,6 +126,8 @@ class Store:
         if rtype.plural == "namespaces" and not rtype.group:
             obj["status"] = {"phase": "Active"}
         obj = self._admit(rtype, obj, None)
+        if (namespace, name) in self._bucket(rtype):  # after validation, as in the API server
+            raise already_exists(rtype.plural, rtype.group, str(name))
         if dry_run:
             return self._view(rtype, obj)
         return self._commit(rtype, None, obj)
