@@ -12,12 +12,12 @@ import torch
 
 from kvshm.region import SharedOffloadRegion
 from kvshm.transfer import (
-    BackendOptions,
     BackendUnavailableError,
     CanonicalKVCacheRef,
     CpuGpuOffloadingHandlers,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
+    TransferOptions,
 )
 
 from .helpers import open_region, placements, region_bytes
@@ -29,7 +29,7 @@ KIB = 1024
 BLOCK_SIZES = [16 * KIB, 64 * KIB, 256 * KIB, 1024 * KIB, 2048 * KIB]
 BACKENDS: dict[str, dict[str, Any]] = {
     "dma": {"backend": "dma"},
-    "dma-each": {"backend": "dma", "options": BackendOptions(use_batch_call=False)},
+    "dma-each": {"backend": "dma", "options": TransferOptions(use_batch_call=False)},
     "kernel": {"backend": "kernel"},
     "auto": {},
 }
@@ -153,14 +153,17 @@ def test_groups_with_partial_cpu_blocks(backend: str, regions: list[SharedOffloa
     pair.shutdown()
 
 
+@pytest.mark.parametrize("stream_per_job", [False, True], ids=["one-stream", "stream-per-job"])
 @pytest.mark.parametrize("regions", [(64, 1024 * KIB)], indirect=True)
 def test_jobs_finish_in_order_while_another_stream_computes(
-    regions: list[SharedOffloadRegion],
+    regions: list[SharedOffloadRegion], stream_per_job: bool
 ) -> None:
     region = regions[0]
     block = 1024 * KIB
     gpu = random_block_data(64, block, 1)
-    pair = CpuGpuOffloadingHandlers(gpu, region, 1, [[CanonicalKVCacheRef(0, block)]])
+    options = TransferOptions(stream_per_job=stream_per_job)
+    refs = [[CanonicalKVCacheRef(0, block)]]
+    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, options=options)
     compute = torch.cuda.Stream()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     fresh = torch.randint(-128, 128, (8, block), dtype=torch.int8, device="cuda")

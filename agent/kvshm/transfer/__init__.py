@@ -4,7 +4,6 @@ GPU-only pieces (CUDA streams, the driver, Triton) load on first use, so this pa
 and its CPU backend runs on machines without a GPU.
 """
 
-from kvshm.transfer.backends.factory import BackendOptions
 from kvshm.transfer.chooser import BACKEND_ENV, BackendPolicy
 from kvshm.transfer.errors import (
     BackendUnavailableError,
@@ -16,6 +15,7 @@ from kvshm.transfer.errors import (
 )
 from kvshm.transfer.handler import SingleDirectionOffloadingHandler
 from kvshm.transfer.metrics import Direction
+from kvshm.transfer.options import TransferOptions
 from kvshm.transfer.pair import CpuGpuOffloadingHandlers
 from kvshm.transfer.pointers import compute_sub_block_ptrs
 from kvshm.transfer.specs import (
@@ -31,7 +31,6 @@ from kvshm.transfer.specs import (
 
 __all__ = [
     "BACKEND_ENV",
-    "BackendOptions",
     "BackendPolicy",
     "BackendUnavailableError",
     "BlockIDsLoadStoreSpec",
@@ -47,6 +46,7 @@ __all__ = [
     "SingleDirectionOffloadingHandler",
     "TensorRef",
     "TransferError",
+    "TransferOptions",
     "TransferResult",
     "TransferSpec",
     "TransferType",

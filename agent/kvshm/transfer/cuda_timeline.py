@@ -1,9 +1,9 @@
-"""CudaTimeline: a handler's jobs, issued by the caller, on one CUDA stream.
+"""CudaTimeline: a handler's jobs, issued by the caller, in order on CUDA streams.
 
-One stream keeps jobs in submission order by stream semantics alone. vLLM instead puts each
-job on a pooled stream that waits for the previous job's end event; on an H200 that chain
-measured 2-3 GB/s slower at 256 KiB blocks than one stream (bench/transfer/explore.py), and
-the observable contract (in-order completion, timing, waits) is the same.
+By default all jobs of a handler share one stream, which keeps them in submission order by
+stream semantics alone. stream_per_job is vLLM's scheme: each job on a pooled stream that
+waits for the previous job's end event. The observable contract (in-order completion,
+timing, waits) is the same; bench/transfer compares the two.
 
 Copies are issued in the caller's thread, inside transfer_async. Issuing from a worker thread
 was measured too and lost 5-10 % end to end: between driver calls the worker needs the GIL,
@@ -18,7 +18,10 @@ from kvshm.transfer.timeline import Ticket, Timeline, Work
 
 
 class CudaTicket(Ticket):
-    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+    def __init__(
+        self, stream: torch.cuda.Stream, start: torch.cuda.Event, end: torch.cuda.Event
+    ) -> None:
+        self.stream = stream
         self.start = start
         self.end = end
         self.keep: object = None
@@ -34,20 +37,31 @@ class CudaTicket(Ticket):
 
 
 class CudaTimeline(Timeline):
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, stream_per_job: bool = False) -> None:
         self._device = device
-        self._stream = torch.cuda.Stream(device)
+        self._stream_per_job = stream_per_job
+        self._streams: list[torch.cuda.Stream] = []
+        if not stream_per_job:
+            self._streams.append(torch.cuda.Stream(device))
         self._events: list[torch.cuda.Event] = []
+        self._last_end: torch.cuda.Event | None = None
 
     def _event(self) -> torch.cuda.Event:
         return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
 
+    def _stream(self) -> torch.cuda.Stream:
+        if not self._stream_per_job:
+            return self._streams[0]
+        return self._streams.pop() if self._streams else torch.cuda.Stream(self._device)
+
     def launch(self, work: Work, after_compute: bool) -> Ticket:
-        stream = self._stream
         with torch.cuda.device(self._device):
+            stream = self._stream()
             if after_compute:
                 stream.wait_stream(torch.cuda.current_stream(self._device))
-            ticket = CudaTicket(self._event(), self._event())
+            if self._stream_per_job and self._last_end is not None:
+                stream.wait_event(self._last_end)
+            ticket = CudaTicket(stream, self._event(), self._event())
             ticket.start.record(stream)
             try:
                 with torch.cuda.stream(stream):
@@ -57,13 +71,20 @@ class CudaTimeline(Timeline):
                 # the next job cannot overtake them; the job is reported as failed
                 ticket.error = exc
             ticket.end.record(stream)
+            self._last_end = ticket.end
         return ticket
 
     def release(self, ticket: Ticket) -> None:
         assert isinstance(ticket, CudaTicket)
+        if self._last_end is ticket.end:
+            self._last_end = None  # done: nothing left to wait for
         ticket.keep = None
+        if self._stream_per_job:
+            self._streams.append(ticket.stream)
         self._events += [ticket.start, ticket.end]
 
     def close(self) -> None:
-        self._stream.synchronize()
+        if self._last_end is not None:
+            self._last_end.synchronize()  # the last job ends after every earlier one
+        self._last_end = None
         self._events.clear()

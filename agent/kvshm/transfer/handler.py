@@ -10,10 +10,11 @@ from functools import partial
 
 import torch
 
-from kvshm.transfer.backends.factory import BackendOptions, build_backends
+from kvshm.transfer.backends.factory import build_backends
 from kvshm.transfer.chooser import BackendChooser, BackendPolicy, override_from_env
 from kvshm.transfer.errors import HandlerClosedError, InvalidTransferSpecError
 from kvshm.transfer.metrics import Direction, TransferMetrics
+from kvshm.transfer.options import TransferOptions
 from kvshm.transfer.plan import JobPlanner
 from kvshm.transfer.specs import (
     CPU_MEDIUM,
@@ -35,12 +36,12 @@ class _Job:
     size_bytes: int
 
 
-def _timeline_for(device: torch.device) -> Timeline:
+def _timeline_for(device: torch.device, options: TransferOptions) -> Timeline:
     if device.type == "cpu":
         return CpuTimeline()
     from kvshm.transfer.cuda_timeline import CudaTimeline
 
-    return CudaTimeline(device)
+    return CudaTimeline(device, options.stream_per_job)
 
 
 class SingleDirectionOffloadingHandler:
@@ -63,7 +64,7 @@ class SingleDirectionOffloadingHandler:
         gpu_to_cpu: bool,
         *,
         backend: str | None = None,
-        options: BackendOptions | None = None,
+        options: TransferOptions | None = None,
         policy: BackendPolicy | None = None,
     ) -> None:
         pairs = check_tensors(gpu_tensors, cpu_tensors, block_size_factor)
@@ -78,8 +79,9 @@ class SingleDirectionOffloadingHandler:
         self._planner = JobPlanner(
             pairs.gpu, pairs.cpu, block_size_factor, self.kv_cache_groups_data_refs, gpu_to_cpu
         )
+        options = options or TransferOptions()
         backends, unavailable = build_backends(
-            pairs, self.kv_cache_groups_data_refs, self.gpu_to_cpu, options or BackendOptions()
+            pairs, self.kv_cache_groups_data_refs, self.gpu_to_cpu, options
         )
         self._chooser = BackendChooser(
             backends,
@@ -88,7 +90,7 @@ class SingleDirectionOffloadingHandler:
             policy or BackendPolicy(),
             backend if backend is not None else override_from_env(),
         )
-        self._timeline = _timeline_for(pairs.device)
+        self._timeline = _timeline_for(pairs.device, options)
         self._metrics = TransferMetrics(self.direction)
         self._jobs: deque[_Job] = deque()
         self._pending: dict[int, _Job] = {}

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from kvshm.region import SharedOffloadRegion
-from kvshm.transfer.backends.factory import BackendOptions
 from kvshm.transfer.chooser import BackendPolicy
 from kvshm.transfer.handler import SingleDirectionOffloadingHandler
+from kvshm.transfer.options import TransferOptions
 from kvshm.transfer.specs import CanonicalKVCacheRef
 from kvshm.transfer.tensors import check_gpu_tensors
 
@@ -31,7 +31,7 @@ class CpuGpuOffloadingHandlers:
         *,
         pin: bool = True,
         backend: str | None = None,
-        options: BackendOptions | None = None,
+        options: TransferOptions | None = None,
         policy: BackendPolicy | None = None,
     ) -> None:
         device = check_gpu_tensors(gpu_tensors)

@@ -21,10 +21,10 @@ from kvshm.transfer.backends.cuda_driver import (
 )
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.errors import CudaCallError
+from kvshm.transfer.options import DEFAULT_DESCRIPTORS_PER_CALL
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DESCRIPTORS_PER_CALL = 128
 _WORD = 8  # bytes per descriptor entry (uint64)
 
 

@@ -3,34 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from kvshm.transfer.backends.base import CopyBackend
 from kvshm.transfer.backends.cpu import CpuMemmoveBackend
 from kvshm.transfer.backends.cuda_driver import CopyDirection, cuda_driver
-from kvshm.transfer.backends.dma import DEFAULT_DESCRIPTORS_PER_CALL, DmaBackend
-from kvshm.transfer.backends.kernel import (
-    DEFAULT_CHUNK_BYTES,
-    KernelBackend,
-    triton_missing_reason,
-    unmapped_reason,
-)
+from kvshm.transfer.backends.dma import DmaBackend
+from kvshm.transfer.backends.kernel import KernelBackend, triton_missing_reason, unmapped_reason
 from kvshm.transfer.errors import BackendUnavailableError
+from kvshm.transfer.options import TransferOptions
 from kvshm.transfer.specs import CanonicalKVCacheRef
 from kvshm.transfer.tensors import ALIGNMENT, TensorPairs
-
-
-@dataclass(frozen=True)
-class BackendOptions:
-    descriptors_per_call: int = DEFAULT_DESCRIPTORS_PER_CALL
-    """cuMemcpyBatchAsync descriptors per call (64-256 measured best)."""
-    use_batch_call: bool = True
-    """False issues one cuMemcpyAsync per copy even where the batch call exists."""
-    kernel_chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """Bytes one program of the copy kernel moves."""
-
 
 Backends = tuple[dict[str, CopyBackend], dict[str, str]]
 
@@ -39,7 +23,7 @@ def build_backends(
     pairs: TensorPairs,
     group_refs: Sequence[Sequence[CanonicalKVCacheRef]],
     gpu_to_cpu: bool,
-    options: BackendOptions,
+    options: TransferOptions,
 ) -> Backends:
     """The usable backends by name, and why each other one cannot be used."""
     reason: str | None

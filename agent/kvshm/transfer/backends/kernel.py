@@ -16,9 +16,9 @@ import torch
 from kvshm.transfer.backends.base import CopyBackend, Stream
 from kvshm.transfer.backends.cuda_driver import CudaDriver
 from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.options import DEFAULT_KERNEL_CHUNK_BYTES
 from kvshm.transfer.pointers import RowGeometry
 
-DEFAULT_CHUNK_BYTES = 16384
 DEFAULT_NUM_WARPS = 4
 MAX_CHUNKS_PER_COPY = 65535  # CUDA's limit on the grid's second dimension
 
@@ -50,7 +50,7 @@ class KernelBackend(CopyBackend):
     def __init__(
         self,
         device: torch.device,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int = DEFAULT_KERNEL_CHUNK_BYTES,
         num_warps: int = DEFAULT_NUM_WARPS,
     ) -> None:
         if chunk_bytes < 16 or chunk_bytes & (chunk_bytes - 1):
