@@ -12,6 +12,7 @@ from tests.charts.crd_validation import CrdSchemas
 from tests.charts.rendering import find, load_yaml_documents, render
 from tests.charts.test_kubernetes_schemas import validate_builtin
 from tests.charts.tools import CHART, REPO
+from tests.kube.runner import start_kube_api
 
 CRD_FILES = sorted((CHART / "crds").glob("*.yaml"))
 EXAMPLE_RESOURCES = sorted([*(REPO / "examples").rglob("*.yaml"), *(REPO / "docs").rglob("*.yaml")])
@@ -61,3 +62,22 @@ def test_crd_validation_is_strict() -> None:
     broken = json.loads(json.dumps(region))
     broken["spec"]["layout"]["numBlocks"] = "many"
     assert schemas.errors(broken)
+
+
+def test_example_custom_resources_are_accepted_by_the_api_emulator() -> None:
+    """Created through the API emulator, which applies the CRDs' defaults, schema and CEL rules
+    the way an API server does."""
+    examples = _example_custom_resources()
+    plurals = {"OffloadRegion": "offloadregions", "OffloadNode": "offloadnodes"}
+    namespaces = {d["metadata"]["namespace"] for _, d in examples if d["kind"] == "OffloadRegion"}
+    kube = start_kube_api()
+    try:
+        for namespace in namespaces - {"default"}:  # the emulator starts with "default"
+            body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+            kube.call(lambda s, b=body: s.create(s.resource("", "v1", "namespaces"), None, b))
+        for name, doc in examples:
+            namespace = doc["metadata"].get("namespace") if doc["kind"] == "OffloadRegion" else None
+            created = kube.create("kvshm.dev", "v1alpha1", plurals[doc["kind"]], doc, namespace)
+            assert created["metadata"]["name"] == doc["metadata"]["name"], name
+    finally:
+        kube.stop()
