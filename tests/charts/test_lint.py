@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,14 @@ def test_every_value_is_described_by_the_schema() -> None:
         return missing
 
     assert undescribed(values, schema, "") == []
+
+
+def test_packaged_chart_holds_crds_and_dashboards_but_not_examples(tmp_path: Path) -> None:
+    result = run(tool("helm"), "package", str(CHART), "--destination", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    [package] = tmp_path.glob("kvshm-*.tgz")
+    with tarfile.open(package) as archive:
+        names = set(archive.getnames())
+    assert {"kvshm/crds/offloadregions.kvshm.dev.yaml", "kvshm/values.schema.json"} <= names
+    assert {f"kvshm/dashboards/{d}.json" for d in ("node", "regions", "transfers")} <= names
+    assert not [n for n in names if n.startswith("kvshm/ci/")]
