@@ -47,6 +47,15 @@ def region(name: str = "r1", namespace: str = "ns1", **kwargs: Any) -> OffloadRe
     return parse_offload_region(manifest(name, namespace, **kwargs))
 
 
+def region_dir(root: Path, key: str = "ns1/r1") -> Path:
+    """<root>/<namespace>/<name>/ made by hand (as a tenant or an earlier run left it)."""
+    directory = root / key
+    directory.mkdir(parents=True)
+    for each in (root, directory.parent):
+        os.chmod(each, 0o711)
+    return directory
+
+
 def view(*regions: OffloadRegion, deleting: tuple[str, ...] = (), **kwargs: Any) -> ClusterView:
     known = {r.key: KnownRegion(r, r.key in deleting) for r in regions}
     return ClusterView(NODE, kwargs.pop("labels", {}), known, **kwargs)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import mmap
-import os
 import stat
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from tests.agent.builders import (
     holding,
     make_reconciler,
     region,
+    region_dir,
     settle,
     view,
 )
@@ -101,10 +101,7 @@ def test_restart_adopts_the_file_without_recreating_or_zeroing_it(shm_dir: Path)
 
 def test_wrong_size_file_is_failed_naming_both_sizes_and_left_untouched(shm_dir: Path) -> None:
     root = shm_dir / "root"
-    path = file_of(root)
-    path.parent.mkdir(parents=True)
-    os.chmod(root, 0o711)
-    os.chmod(root / "ns1", 0o711)
+    path = region_dir(root) / "vllm_offload_r1.mmap"
     path.write_bytes(b"x" * 12345)
     result = settle(make_reconciler(root), view(region()))
     report = result.reports["ns1/r1"]

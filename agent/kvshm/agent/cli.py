@@ -20,20 +20,8 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 
-from kvshm.agent.holders import HoldChecker
-from kvshm.agent.hosting import HostingSettings
-from kvshm.agent.local.console import ConsoleSink
-from kvshm.agent.local.source import LocalDirectorySource
-from kvshm.agent.loop import AgentLoop, RegionSource, StatusSink, Wakeup
-from kvshm.agent.metrics import AgentMetrics
-from kvshm.agent.notify import build_notifier
-from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
-from kvshm.agent.saferoot import RegionRoot
-from kvshm.agent.server import Health, serve
+from kvshm.agent.app import AgentStartError, build_app
 from kvshm.agent.sizes import parse_bytes
-from kvshm.agent.version import agent_version
-from kvshm.api import NodeRegionPhase
-from kvshm.region import RegionError
 
 log = logging.getLogger("kvshm.agent")
 
@@ -123,27 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args: argparse.Namespace) -> ReconcilerSettings:
-    return ReconcilerSettings(
-        reserve_bytes=args.reserve_bytes,
-        drain_grace_seconds=args.drain_grace_seconds,
-        retry_seconds=args.resync_seconds,
-        hosting=HostingSettings(args.populate_threads, args.populate_rate),
-    )
-
-
-def _connect(args: argparse.Namespace, metrics: AgentMetrics) -> tuple[RegionSource, StatusSink]:
-    if args.local:
-        source = LocalDirectorySource(
-            args.local,
-            args.node_name,
-            dict(args.node_label),
-            poll_seconds=args.poll_seconds,
-        )
-        return source, ConsoleSink(progress_seconds=1.0)
-    raise ValueError("cluster mode is not in this build yet: use --local DIR")
-
-
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -152,54 +119,20 @@ def run(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        root = RegionRoot(args.root)
-    except (RegionError, OSError) as exc:
-        print(f"kvshm-agent: cannot use the region root: {exc}", file=sys.stderr)
-        return 2
-    metrics = AgentMetrics(agent_version())
-    try:
-        source, sink = _connect(args, metrics)
-    except (OSError, ValueError) as exc:
+        app = build_app(args)
+    except AgentStartError as exc:
         print(f"kvshm-agent: {exc}", file=sys.stderr)
         return 2
-    wakeup = Wakeup()
-    reconciler = NodeReconciler(
-        root,
-        build_notifier(),
-        _settings(args),
-        holds=HoldChecker(proc_scan=args.proc_scan),
-        counters=metrics,
-        wake=wakeup,
-    )
-    health = Health(stale_after_seconds=max(60.0, 3 * args.resync_seconds))
-    where = ""
-    if not args.no_http:
-        host = args.bind or ("127.0.0.1" if args.local else "0.0.0.0")
-        server = serve(host, args.port, metrics.registry, health)
-        where = f", metrics on http://{host}:{server.server_port}/metrics"
-    mode = f"local mode, regions from {args.local}" if args.local else "cluster mode"
-    print(
-        f"kvshm-agent {agent_version()}: {mode}, root {root.path}, node {args.node_name}{where}",
-        flush=True,
-    )
+    print(app.banner(), flush=True)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
-        wakeup()
+        app.loop.wakeup()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    loop = AgentLoop(
-        source, reconciler, sink, metrics, health, wakeup, resync_seconds=args.resync_seconds
-    )
-    result = loop.run(stop, until_settled=args.once)
-    source.close()
-    sink.close()
-    failed = result is not None and any(
-        report.phase is NodeRegionPhase.FAILED for report in result.reports.values()
-    )
-    return 1 if args.once and failed else 0
+    return app.run(stop, once=args.once)
 
 
 def main() -> None:

@@ -70,6 +70,7 @@ class Drain:
     deadline_monotonic: float
     deadline_unix: float
     hosted: HostedRegion | None = None
+    file_id: tuple[int, int] | None = None  # the file's (dev, inode), when the agent held it
     notified: bool = False
     message: str = ""
 
@@ -103,6 +104,7 @@ class Drainer:
             self._clock() + self._grace,
             time.time() + self._grace,
             hosted,
+            hosted.file_id if hosted is not None else None,
         )
 
     def advance(self, drain: Drain) -> DrainStep:

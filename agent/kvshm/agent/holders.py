@@ -64,6 +64,24 @@ def _fd_file_ids(pid_dir: str) -> set[FileId]:
     return ids
 
 
+def count_flocks(proc: str = "/proc") -> dict[FileId, int]:
+    """Flock holders per file from /proc/locks, not counting this process's own locks. It lists
+    every lock on the host (pids outside this PID namespace show as 0), so it needs no hostPID."""
+    own = str(os.getpid())
+    counts: dict[FileId, int] = {}
+    with open(os.path.join(proc, "locks"), encoding="ascii", errors="replace") as locks:
+        for line in locks:
+            # "1: FLOCK  ADVISORY  READ  1234 00:1a:5678 0 EOF"; "->" marks a blocked waiter
+            fields = line.split()
+            if len(fields) < 6 or fields[1] != "FLOCK" or fields[4] == own:
+                continue
+            with contextlib.suppress(ValueError):
+                major, minor, inode = fields[5].split(":")
+                file_id = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
+                counts[file_id] = counts.get(file_id, 0) + 1
+    return counts
+
+
 def scan_proc(proc: str = "/proc") -> set[FileId]:
     """(dev, inode) of every file some other visible process maps or has open."""
     own = str(os.getpid())
@@ -87,10 +105,21 @@ class HoldChecker:
         self.proc_scan = proc_scan
         self._proc = proc
         self._proc_held: set[FileId] = set()
+        self._flocks: dict[FileId, int] | None = None
 
     def refresh(self) -> None:
         if self.proc_scan:
             self._proc_held = scan_proc(self._proc)
+        try:
+            self._flocks = count_flocks(self._proc)
+        except OSError:
+            self._flocks = None  # no /proc/locks: the count is unknown, the probe still works
+
+    def flock_holders(self, file_id: FileId | None) -> int | None:
+        """How many open files hold a flock on the file (as of the last refresh), if known."""
+        if self._flocks is None or file_id is None:
+            return None
+        return self._flocks.get(file_id, 0)
 
     def held_by_process(self, st: os.stat_result) -> bool:
         return (st.st_dev, st.st_ino) in self._proc_held

@@ -10,6 +10,7 @@ from __future__ import annotations
 import stat
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from kvshm.agent.holders import HoldChecker
@@ -27,6 +28,13 @@ class InventoryScanner:
         self._root = root
         self._holds = holds
         self._reserve = reserve_bytes
+        # path -> when it was first seen unclaimed (the operator's grace period counts from it)
+        self._unclaimed_since: dict[str, datetime] = {}
+
+    def seed_unclaimed_since(self, since: dict[str, datetime]) -> None:
+        """Carry first-seen times over a restart (from the last published inventory)."""
+        for path, moment in since.items():
+            self._unclaimed_since.setdefault(path, moment)
 
     def scan(self, claimed_by: ClaimLookup) -> NodeInventory:
         capacity, free = self._root.filesystem_bytes()
@@ -34,9 +42,24 @@ class InventoryScanner:
         problems: list[str] = []
         for region_dir in self._root.walk(problems.append):
             files.extend(self._scan_dir(region_dir, claimed_by, problems))
+        files = self._track_unclaimed(files)
         return NodeInventory(
             self._root.path, capacity, free, self._reserve, tuple(files), tuple(problems)
         )
+
+    def _track_unclaimed(self, files: list[InventoryFile]) -> list[InventoryFile]:
+        now = datetime.now(UTC)
+        unclaimed = {f.path for f in files if not f.claimed_by}
+        for path in list(self._unclaimed_since):
+            if path not in unclaimed:
+                del self._unclaimed_since[path]
+        tracked = []
+        for file in files:
+            if file.path in unclaimed:
+                since = self._unclaimed_since.setdefault(file.path, now)
+                file = replace(file, first_seen_unclaimed=since)
+            tracked.append(file)
+        return tracked
 
     def _scan_dir(
         self, region_dir: RegionDir, claimed_by: ClaimLookup, problems: list[str]
@@ -69,7 +92,6 @@ class InventoryScanner:
                     allocated_bytes=st.st_blocks * 512,
                     claimed_by=claimed_by(region_dir.namespace, region_dir.name, instance_id),
                     held=held,
-                    modified=datetime.fromtimestamp(st.st_mtime, UTC),
                     age_seconds=max(0.0, now - st.st_mtime),
                 )
             )

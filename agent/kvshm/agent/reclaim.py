@@ -26,6 +26,7 @@ ClaimCheck = Callable[[str, str, str], str]
 class ReclaimRequest:
     path: str  # relative to the root: <namespace>/<name>/vllm_offload_<id>.mmap
     token: str = ""  # the request's content: a changed request is executed again
+    size_bytes: int | None = None  # the size the operator decided on; another size is refused
 
 
 class Reclaimer:
@@ -68,6 +69,13 @@ class Reclaimer:
                             f"a live process holds {path}; it was kept",
                         )
                     locked = os.fstat(fd)
+                    if request.size_bytes is not None and locked.st_size != request.size_bytes:
+                        return result(
+                            ReclaimOutcome.REFUSED_CLAIMED,
+                            f"{path} is {locked.st_size} bytes, not the {request.size_bytes} "
+                            f"bytes the decision was made on: it was re-created or resized "
+                            f"since, so it was kept",
+                        )
                     problem = region_dir.unlink_regular(file_name, locked)
             except FileNotFoundError:
                 return result(ReclaimOutcome.DONE, "already gone")

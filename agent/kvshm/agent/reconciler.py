@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -142,6 +142,9 @@ class NodeReconciler:
             settled=not busy,
         )
 
+    def seed_unclaimed_since(self, since: dict[str, datetime]) -> None:
+        self._inventory.seed_unclaimed_since(since)
+
     def hosted_regions(self) -> dict[str, HostedRegion]:
         return dict(self._hosted)
 
@@ -220,7 +223,6 @@ class NodeReconciler:
             self._finished[region.key] = NodeReport(
                 NodeRegionPhase.REMOVED,
                 message=step.message,
-                generation=region.generation,
             )
             self._event(EventReason.DRAINED, region, step.message)
 
@@ -456,7 +458,10 @@ class NodeReconciler:
     ) -> dict[str, NodeReport]:
         reports = dict(self._finished)
         for (key, _), drain in self._drains.items():
-            reports[key] = self._plain_report(NodeRegionPhase.DRAINING, drain.region, drain.message)
+            reports[key] = replace(
+                self._plain_report(NodeRegionPhase.DRAINING, drain.region, drain.message),
+                holders=self._holds.flock_holders(drain.file_id),
+            )
         for key, failure in self._failures.items():
             reports[key] = self._plain_report(
                 NodeRegionPhase.FAILED, failure.region, failure.message
@@ -475,8 +480,8 @@ class NodeReconciler:
                 populated_bytes=status.populated_bytes,
                 locked=status.locked,
                 populate_seconds=status.populate_seconds,
+                holders=self._holds.flock_holders(hosted.file_id),
                 message=message,
-                generation=hosted.region.generation,
             )
         return reports
 
@@ -488,7 +493,6 @@ class NodeReconciler:
             path=self._file_path(region),
             size_bytes=region.size_bytes,
             message=message,
-            generation=region.generation,
         )
 
     def _file_path(self, region: OffloadRegion) -> str:

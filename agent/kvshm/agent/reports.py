@@ -26,25 +26,29 @@ class NodeReport:
     populated_bytes: int = 0
     locked: bool = False
     populate_seconds: float | None = None
+    holders: int | None = None  # processes holding the file's shared flock, when known
     message: str = ""
-    generation: int = 0
 
     def to_status(self) -> dict[str, Any]:
         status: dict[str, Any] = {
             "phase": self.phase.value,
             "path": self.path,
+            "sizeBytes": self.size_bytes,
             "populatedBytes": self.populated_bytes,
             "locked": self.locked,
             "message": self.message,
-            "observedGeneration": self.generation,
+            # null, not absent: a merge patch leaves absent keys as an earlier phase set them
+            "populateSeconds": (
+                None if self.populate_seconds is None else round(self.populate_seconds, 3)
+            ),
+            "holders": self.holders,
         }
-        if self.populate_seconds is not None:
-            status["populateSeconds"] = round(self.populate_seconds, 3)
         return status
 
     def differs_only_in_progress(self, other: NodeReport) -> bool:
-        """Whether the two differ in nothing but populate progress (published at most ~1/s)."""
-        return replace(other, populated_bytes=self.populated_bytes) == self
+        """Whether the two differ in nothing but progress (populated bytes, holder count),
+        which is published at most about once a second."""
+        return replace(other, populated_bytes=self.populated_bytes, holders=self.holders) == self
 
 
 class EventReason(StrEnum):
@@ -87,30 +91,33 @@ class InventoryFile:
     allocated_bytes: int
     claimed_by: str  # "<namespace>/<name>" of the region that names this file, or ""
     held: bool  # a process other than the agent holds it (flock, or /proc when enabled)
-    modified: datetime
     age_seconds: float
-
-    @property
-    def orphaned(self) -> bool:
-        return not self.claimed_by and not self.held
+    first_seen_unclaimed: datetime | None = None
 
     def to_status(self) -> dict[str, Any]:
-        return {
+        status: dict[str, Any] = {
             "path": self.path,
             "sizeBytes": self.size_bytes,
-            "allocatedBytes": self.allocated_bytes,
             "claimedBy": self.claimed_by,
             "held": self.held,
-            "modified": format_timestamp(self.modified),
             "ageSeconds": int(self.age_seconds),
         }
+        if self.first_seen_unclaimed is not None:
+            status["firstSeenUnclaimed"] = format_timestamp(self.first_seen_unclaimed)
+        return status
 
 
 class ReclaimOutcome(StrEnum):
+    """Metric label values; status uses the CamelCase status_value."""
+
     DONE = "done"
     REFUSED_HELD = "refused_held"
     REFUSED_CLAIMED = "refused_claimed"
     FAILED = "failed"
+
+    @property
+    def status_value(self) -> str:
+        return "".join(word.capitalize() for word in self.value.split("_"))
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,8 @@ class ReclaimResult:
 
     def to_status(self) -> dict[str, Any]:
         return {
-            "outcome": self.outcome.value,
+            "path": self.path,
+            "outcome": self.outcome.status_value,
             "message": self.message,
             "time": format_timestamp(self.time),
         }
@@ -144,13 +152,12 @@ class NodeInventory:
         return tuple(f for f in self.files if not f.claimed_by)
 
     def to_status(self) -> dict[str, Any]:
+        """OffloadNode status fields (the sink adds heartbeat, version and conditions)."""
         return {
-            "root": self.root,
             "capacityBytes": self.capacity_bytes,
             "freeBytes": self.free_bytes,
             "reserveBytes": self.reserve_bytes,
             "files": [f.to_status() for f in self.files],
-            "problems": list(self.problems),
         }
 
 

@@ -1,0 +1,127 @@
+"""Assembling an agent from its command line: root, source and sink, reconciler, loop, server.
+
+The CLI and the tests build agents here, so what the tests run is what `kvshm-agent` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from dataclasses import dataclass
+from datetime import datetime
+from http.server import ThreadingHTTPServer
+
+from kvshm.agent.holders import HoldChecker
+from kvshm.agent.hosting import HostingSettings
+from kvshm.agent.local.console import ConsoleSink
+from kvshm.agent.local.source import LocalDirectorySource
+from kvshm.agent.loop import AgentLoop, RegionSource, StatusSink, Wakeup
+from kvshm.agent.metrics import AgentMetrics
+from kvshm.agent.notify import build_notifier
+from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
+from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.server import Health, serve
+from kvshm.agent.version import agent_version
+from kvshm.api import NodeRegionPhase
+from kvshm.region import RegionError
+
+
+class AgentStartError(Exception):
+    """The agent cannot start; the message says why and what to do."""
+
+
+@dataclass
+class AgentApp:
+    args: argparse.Namespace
+    root: RegionRoot
+    metrics: AgentMetrics
+    reconciler: NodeReconciler
+    loop: AgentLoop
+    server: ThreadingHTTPServer | None
+
+    def banner(self) -> str:
+        mode = f"local mode, regions from {self.args.local}" if self.args.local else "cluster mode"
+        where = ""
+        if self.server is not None:
+            host, port = self.server.server_address[:2]
+            where = f", metrics on http://{host!s}:{port}/metrics"
+        return (
+            f"kvshm-agent {agent_version()}: {mode}, root {self.root.path}, "
+            f"node {self.args.node_name}{where}"
+        )
+
+    def run(self, stop: threading.Event, *, once: bool = False) -> int:
+        """Reconcile until stop (or, once, until settled). Exit code 1 if once and any region
+        failed. Nothing is released: the regions stay for the next start to adopt."""
+        result = self.loop.run(stop, until_settled=once)
+        self.loop.source.close()
+        self.loop.sink.close()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+        failed = result is not None and any(
+            report.phase is NodeRegionPhase.FAILED for report in result.reports.values()
+        )
+        return 1 if once and failed else 0
+
+
+def _settings(args: argparse.Namespace) -> ReconcilerSettings:
+    return ReconcilerSettings(
+        reserve_bytes=args.reserve_bytes,
+        drain_grace_seconds=args.drain_grace_seconds,
+        retry_seconds=args.resync_seconds,
+        hosting=HostingSettings(args.populate_threads, args.populate_rate),
+    )
+
+
+def _connect(
+    args: argparse.Namespace, metrics: AgentMetrics
+) -> tuple[RegionSource, StatusSink, dict[str, datetime]]:
+    """The chosen mode's source and sink, and first-seen-unclaimed times to carry over."""
+    if args.local:
+        source = LocalDirectorySource(
+            args.local, args.node_name, dict(args.node_label), poll_seconds=args.poll_seconds
+        )
+        return source, ConsoleSink(progress_seconds=1.0), {}
+    # imported here: local mode never loads the kubernetes client (start-up time, memory)
+    from kvshm.agent.cluster.connect import connect_cluster
+
+    return connect_cluster(
+        args.node_name,
+        args.kubeconfig,
+        metrics,
+        agent_version(),
+        resync_seconds=args.resync_seconds,
+    )
+
+
+def build_app(args: argparse.Namespace) -> AgentApp:
+    try:
+        root = RegionRoot(args.root)
+    except (RegionError, OSError) as exc:
+        raise AgentStartError(f"cannot use the region root: {exc}") from exc
+    metrics = AgentMetrics(agent_version())
+    try:
+        source, sink, unclaimed_since = _connect(args, metrics)
+    except Exception as exc:  # a bad kubeconfig, an unreachable API, RBAC: say so and stop
+        root.close()
+        raise AgentStartError(f"cannot start: {exc}") from exc
+    wakeup = Wakeup()
+    reconciler = NodeReconciler(
+        root,
+        build_notifier(),
+        _settings(args),
+        holds=HoldChecker(proc_scan=args.proc_scan),
+        counters=metrics,
+        wake=wakeup,
+    )
+    reconciler.seed_unclaimed_since(unclaimed_since)
+    health = Health(stale_after_seconds=max(60.0, 3 * args.resync_seconds))
+    server = None
+    if not args.no_http:
+        host = args.bind or ("127.0.0.1" if args.local else "0.0.0.0")
+        server = serve(host, args.port, metrics.registry, health)
+    loop = AgentLoop(
+        source, reconciler, sink, metrics, health, wakeup, resync_seconds=args.resync_seconds
+    )
+    return AgentApp(args, root, metrics, reconciler, loop, server)

@@ -1,0 +1,223 @@
+"""Cluster mode's status sink: region reports, the OffloadNode and Events, through the API.
+
+Each agent writes only its own key of a region's status, `status.nodes.<node>`, with a JSON
+merge patch of exactly that key and no resourceVersion: the API server applies it to the latest
+object, so N agents reporting at once never overwrite each other. The OffloadNode (one per node,
+named after it) has this agent as its only status writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from kvshm.agent.errors import ErrorReason
+from kvshm.agent.gate import ReportGate
+from kvshm.agent.reports import AgentEvent, NodeReport, PassResult, format_timestamp
+from kvshm.api import GROUP, NODE_KIND, NODE_PLURAL, REGION_KIND, REGION_PLURAL, VERSION
+
+log = logging.getLogger(__name__)
+
+MERGE_PATCH = "application/merge-patch+json"
+EVENT_COMPONENT = "kvshm-agent"
+NODE_EVENT_NAMESPACE = "default"  # Events about a cluster-scoped OffloadNode live here
+REQUEST_TIMEOUT = (5, 30)
+_VOLATILE = ("heartbeat", "freeBytes")  # change every pass; sent at the heartbeat's pace
+
+
+class ClusterSink:
+    def __init__(
+        self,
+        api_client: client.ApiClient,
+        node_name: str,
+        version: str,
+        *,
+        count_error: Callable[[ErrorReason], None],
+        heartbeat_seconds: float = 30.0,
+        progress_seconds: float = 1.0,
+    ) -> None:
+        self.node_name = node_name
+        self._version = version
+        self._custom = client.CustomObjectsApi(api_client)
+        self._core = client.CoreV1Api(api_client)
+        self._count_error = count_error
+        self._heartbeat_seconds = heartbeat_seconds
+        self._gate = ReportGate(progress_seconds)
+        self._transitions: dict[str, tuple[str, str]] = {}  # key -> (phase, since)
+        self._node_status: dict[str, Any] | None = None
+        self._node_status_at = 0.0
+
+    # -- the OffloadNode -------------------------------------------------------------------
+
+    def ensure_node(self) -> dict[str, Any]:
+        """Create this node's OffloadNode if it is missing; return its current status."""
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": NODE_KIND,
+            "metadata": {"name": self.node_name, "labels": {"kvshm.dev/node": self.node_name}},
+            "spec": {},
+        }
+        try:
+            self._custom.create_cluster_custom_object(
+                GROUP, VERSION, NODE_PLURAL, body, _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        node: dict[str, Any] = self._custom.get_cluster_custom_object(  # type: ignore[assignment]
+            GROUP, VERSION, NODE_PLURAL, self.node_name, _request_timeout=REQUEST_TIMEOUT
+        )
+        status: dict[str, Any] = node.get("status") or {}
+        return status
+
+    def _publish_node(self, result: PassResult) -> None:
+        if result.inventory is None:
+            return
+        status = result.inventory.to_status()
+        status["agentVersion"] = self._version
+        status["reclaims"] = [r.to_status() for _, r in sorted(result.reclaims.items())]
+        status["conditions"] = [self._root_condition(result.inventory.problems)]
+        steady = {k: v for k, v in status.items() if k not in _VOLATILE}
+        steady["files"] = [
+            {k: v for k, v in f.items() if k != "ageSeconds"} for f in status["files"]
+        ]
+        last = self._node_status
+        due = time.monotonic() - self._node_status_at >= self._heartbeat_seconds
+        if last is not None and last == steady and not due:
+            return
+        status["heartbeat"] = format_timestamp(datetime.now(UTC))
+        if last is not None:
+            # a condition's transition time moves only when its status does
+            self._keep_transition_time(status["conditions"], last.get("conditions") or [])
+            steady["conditions"] = status["conditions"]
+        try:
+            self._custom.patch_cluster_custom_object_status(
+                GROUP,
+                VERSION,
+                NODE_PLURAL,
+                self.node_name,
+                {"status": status},
+                _content_type=MERGE_PATCH,
+                _request_timeout=REQUEST_TIMEOUT,
+            )
+        except ApiException as exc:
+            self._api_error(f"patching OffloadNode {self.node_name}", exc)
+            return
+        self._node_status, self._node_status_at = steady, time.monotonic()
+
+    @staticmethod
+    def _root_condition(problems: tuple[str, ...]) -> dict[str, Any]:
+        return {
+            "type": "RootSafe",
+            "status": "False" if problems else "True",
+            "reason": "UnsafeEntries" if problems else "NoUnsafeEntries",
+            "message": "; ".join(problems)[:32000] if problems else "nothing unsafe found",
+            "lastTransitionTime": format_timestamp(datetime.now(UTC)),
+        }
+
+    @staticmethod
+    def _keep_transition_time(
+        conditions: list[dict[str, Any]], previous: list[dict[str, Any]]
+    ) -> None:
+        before = {c.get("type"): c for c in previous}
+        for condition in conditions:
+            old = before.get(condition["type"])
+            if old is not None and old.get("status") == condition["status"]:
+                condition["lastTransitionTime"] = old["lastTransitionTime"]
+
+    # -- regions ---------------------------------------------------------------------------
+
+    def _publish_reports(self, reports: Mapping[str, NodeReport]) -> None:
+        for key, report in sorted(self._gate.due(reports).items()):
+            namespace, name = key.split("/", 1)
+            entry = report.to_status()
+            entry["lastTransitionTime"] = self._transition_time(key, report)
+            patch = {"status": {"nodes": {self.node_name: entry}}}
+            try:
+                self._custom.patch_namespaced_custom_object_status(
+                    GROUP,
+                    VERSION,
+                    namespace,
+                    REGION_PLURAL,
+                    name,
+                    patch,
+                    _content_type=MERGE_PATCH,
+                    _request_timeout=REQUEST_TIMEOUT,
+                )
+            except ApiException as exc:
+                if exc.status == 404:  # the region is gone: nothing left to report to
+                    self._gate.published(key, report)
+                    continue
+                self._api_error(f"patching OffloadRegion {key} status", exc)
+                continue
+            self._gate.published(key, report)
+
+    def _transition_time(self, key: str, report: NodeReport) -> str:
+        phase = report.phase.value
+        last = self._transitions.get(key)
+        if last is None or last[0] != phase:
+            last = (phase, format_timestamp(datetime.now(UTC)))
+            self._transitions[key] = last
+        return last[1]
+
+    # -- events ----------------------------------------------------------------------------
+
+    def _publish_event(self, event: AgentEvent) -> None:
+        now = format_timestamp(datetime.now(UTC))
+        if event.region_key:
+            namespace, name = event.region_key.split("/", 1)
+            involved = {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": REGION_KIND,
+                "namespace": namespace,
+                "name": name,
+                "uid": event.region_uid,
+            }
+        else:
+            namespace, name = NODE_EVENT_NAMESPACE, self.node_name
+            involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": NODE_KIND, "name": name}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{name}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
+            "involvedObject": involved,
+            "reason": event.reason.value,
+            "message": event.message[:1024],
+            "type": "Warning" if event.warning else "Normal",
+            "source": {"component": EVENT_COMPONENT, "host": self.node_name},
+            "reportingComponent": f"{GROUP}/agent",
+            "reportingInstance": self.node_name,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self._core.create_namespaced_event(
+                namespace,
+                body,  # type: ignore[arg-type]  # the client sends a dict as it is
+                _request_timeout=REQUEST_TIMEOUT,
+            )
+        except ApiException as exc:
+            self._api_error(f"creating Event {event.reason.value} for {name}", exc)
+
+    # -- StatusSink ------------------------------------------------------------------------
+
+    def publish(self, result: PassResult) -> None:
+        for event in result.events:
+            self._publish_event(event)
+        self._publish_reports(result.reports)
+        self._publish_node(result)
+
+    def close(self) -> None:
+        pass  # nothing to release: stopping the agent leaves every report as it was
+
+    def _api_error(self, what: str, exc: ApiException) -> None:
+        self._count_error(ErrorReason.API)
+        log.warning("%s failed: %s %s; retried on the next pass", what, exc.status, exc.reason)

@@ -1,0 +1,139 @@
+"""Cluster mode's region source: OffloadRegions (watched), this node's labels (read every
+resync; the agent may only `get` Nodes) and the reclaims in its OffloadNode's spec (watched)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from kvshm.agent.cluster.watcher import ListWatch
+from kvshm.agent.reclaim import ReclaimRequest
+from kvshm.agent.view import ClusterView, KnownRegion
+from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION, SpecError, parse_offload_region
+
+log = logging.getLogger(__name__)
+
+
+def parse_reclaims(node: Mapping[str, Any] | None) -> tuple[ReclaimRequest, ...]:
+    """spec.reclaims of an OffloadNode; each request's whole content is its token, so a request
+    the operator writes again (a new requestedAt) is executed again."""
+    entries = ((node or {}).get("spec") or {}).get("reclaims") or []
+    requests = []
+    for entry in entries:
+        if isinstance(entry, Mapping) and isinstance(entry.get("path"), str):
+            size = entry.get("sizeBytes")
+            requests.append(
+                ReclaimRequest(
+                    entry["path"],
+                    json.dumps(entry, sort_keys=True, default=str),
+                    size if isinstance(size, int) and not isinstance(size, bool) else None,
+                )
+            )
+    return tuple(requests)
+
+
+class ClusterSource:
+    def __init__(
+        self,
+        api_client: Callable[[], client.ApiClient],
+        node_name: str,
+        *,
+        on_watch_restart: Callable[[], None],
+        labels_refresh_seconds: float = 30.0,
+    ) -> None:
+        self.node_name = node_name
+        self._core = client.CoreV1Api(api_client())
+        self._labels_refresh = labels_refresh_seconds
+        self._labels: dict[str, str] = {}
+        self._labels_read_at: float | None = None
+        self._labels_problem = ""
+        self._on_watch_restart = on_watch_restart
+        self._make_client = api_client
+        self._regions: ListWatch | None = None
+        self._nodes: ListWatch | None = None
+
+    def start(self, wake: Callable[[], None]) -> None:
+        self._regions = self._list_watch("offloadregions", wake, plural=REGION_PLURAL)
+        self._nodes = self._list_watch(
+            "offloadnode",
+            wake,
+            plural=NODE_PLURAL,
+            field_selector=f"metadata.name={self.node_name}",
+        )
+
+    def _list_watch(self, what: str, wake: Callable[[], None], **kwargs: str) -> ListWatch:
+        # an ApiClient per watch thread: a stream holds its connection for minutes
+        api = client.CustomObjectsApi(self._make_client())
+        watcher = ListWatch(
+            what,
+            api.list_cluster_custom_object,
+            {"group": GROUP, "version": VERSION, **kwargs},
+            on_change=wake,
+            on_restart=self._on_watch_restart,
+        )
+        watcher.start()
+        return watcher
+
+    def synced(self) -> bool:
+        """Both watches listed, and the Node's labels read once: without them nodeSelector
+        regions would look unplaced, and be drained."""
+        if self._labels_read_at is None or self._labels_problem:
+            self._labels_read_at = None
+            self._refresh_labels()
+        labels_known = self._labels_read_at is not None and not self._labels_problem
+        watches = all(w is not None and w.synced for w in (self._regions, self._nodes))
+        return labels_known and watches
+
+    def view(self) -> ClusterView:
+        assert self._regions is not None and self._nodes is not None, "start() first"
+        regions: dict[str, KnownRegion] = {}
+        invalid: dict[str, str] = {}
+        for key, obj in self._regions.items().items():
+            try:
+                region = parse_offload_region(obj)
+            except SpecError as exc:
+                invalid[key] = str(exc)
+                continue
+            deleting = bool((obj.get("metadata") or {}).get("deletionTimestamp"))
+            regions[region.key] = KnownRegion(region, deleting)
+        problems = [w.last_error for w in (self._regions, self._nodes) if w.last_error]
+        self._refresh_labels()
+        if self._labels_problem:
+            problems.append(self._labels_problem)
+        return ClusterView(
+            self.node_name,
+            dict(self._labels),
+            regions,
+            invalid,
+            parse_reclaims(self._nodes.items().get(self.node_name)),
+            tuple(problems),
+        )
+
+    def close(self) -> None:
+        for each in (self._regions, self._nodes):
+            if each is not None:
+                each.stop()
+
+    def _refresh_labels(self) -> None:
+        now = time.monotonic()
+        if self._labels_read_at is not None and now - self._labels_read_at < self._labels_refresh:
+            return
+        self._labels_read_at = now
+        try:
+            node = self._core.read_node(self.node_name, _request_timeout=10)
+        except ApiException as exc:
+            # keep the last labels: a transient error must not move regions off this node
+            self._labels_problem = (
+                f"cannot read Node {self.node_name} ({exc.status} {exc.reason}); nodeSelector "
+                f"placement uses the last labels read"
+            )
+            log.warning("%s", self._labels_problem)
+            return
+        self._labels = dict((node.metadata.labels if node.metadata else None) or {})
+        self._labels_problem = ""

@@ -1,0 +1,61 @@
+"""Holder detection: kvshm attachers' shared flock, and the /proc scan for everyone else."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvshm.agent.holders import HoldChecker, scan_proc
+from kvshm.region import SharedOffloadRegion
+from tests.agent.builders import holding
+
+SIZE = 4 * 65536
+
+
+def make_file(directory: Path) -> Path:
+    path = directory / "vllm_offload_h.mmap"
+    path.write_bytes(b"\0" * SIZE)
+    return path
+
+
+def is_held(checker: HoldChecker, path: Path) -> bool:
+    checker.refresh()
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return checker.is_held(fd, path.name, str(path))
+    finally:
+        os.close(fd)
+
+
+def test_a_kvshm_attacher_holds_the_file_until_it_detaches(shm_dir: Path) -> None:
+    path = make_file(shm_dir)
+    checker = HoldChecker()
+    assert not is_held(checker, path)
+    with SharedOffloadRegion("h", SIZE, 4, None, 1, 65536, directory=str(shm_dir), mode="attach"):
+        assert is_held(checker, path)
+    assert not is_held(checker, path)
+
+
+def test_a_process_holding_the_flock_is_seen_from_another_process(shm_dir: Path) -> None:
+    path = make_file(shm_dir)
+    with holding(path, "flock"):
+        assert is_held(HoldChecker(), path)
+    assert not is_held(HoldChecker(), path)
+
+
+def test_a_mapping_without_flock_is_seen_only_by_the_proc_scan(shm_dir: Path) -> None:
+    path = make_file(shm_dir)
+    with holding(path, "map") as holder:
+        assert not is_held(HoldChecker(proc_scan=False), path)
+        assert is_held(HoldChecker(proc_scan=True), path)
+        st = path.stat()
+        assert (st.st_dev, st.st_ino) in scan_proc()
+        assert holder.poll() is None
+    assert not is_held(HoldChecker(proc_scan=True), path)
+
+
+def test_the_scan_ignores_the_agents_own_mappings(shm_dir: Path) -> None:
+    path = make_file(shm_dir)
+    with SharedOffloadRegion("h", SIZE, 4, None, 1, 65536, directory=str(shm_dir), mode="attach"):
+        st = path.stat()
+        assert (st.st_dev, st.st_ino) not in scan_proc()

@@ -1,0 +1,214 @@
+"""A region root tenants can write into: planted symlinks, FIFOs, hard links and directories are
+refused and reported, never followed, and nothing outside the root changes."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvshm.agent.reclaim import ReclaimRequest
+from kvshm.agent.reports import ReclaimOutcome
+from kvshm.agent.saferoot import RegionRoot
+from kvshm.api import NodeRegionPhase
+from kvshm.region import UnsafePathError
+from tests.agent.builders import make_reconciler, region, region_dir, settle, view
+
+Snapshot = dict[str, tuple[int, int, int, int, int, bytes]]
+
+
+@pytest.fixture
+def outside(shm_dir: Path) -> Iterator[Path]:
+    """A directory beside the root (same tmpfs, so hard links work) that must never change."""
+    path = shm_dir / "outside"
+    path.mkdir(mode=0o755)
+    (path / "secret").write_bytes(b"not a region")
+    os.chmod(path / "secret", 0o644)
+    (path / "vllm_offload_r1.mmap").write_bytes(b"")
+    yield path
+
+
+def snapshot(directory: Path) -> Snapshot:
+    state = {}
+    for entry in sorted(directory.iterdir()):
+        st = entry.lstat()
+        data = entry.read_bytes() if stat.S_ISREG(st.st_mode) else b""
+        state[entry.name] = (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_nlink, data)
+    st = directory.lstat()
+    state["."] = (st.st_mode, st.st_uid, st.st_gid, 0, 0, b"")
+    return state
+
+
+def failed_message(root: Path, **spec: object) -> str:
+    result = settle(make_reconciler(root), view(region(**spec)))  # type: ignore[arg-type]
+    report = result.reports["ns1/r1"]
+    assert report.phase is NodeRegionPhase.FAILED, report
+    return report.message
+
+
+@pytest.mark.parametrize("target", ["secret", "vllm_offload_r1.mmap"])
+def test_symlink_at_the_region_file_is_refused(shm_dir: Path, outside: Path, target: str) -> None:
+    root = shm_dir / "root"
+    before = snapshot(outside)
+    (region_dir(root) / "vllm_offload_r1.mmap").symlink_to(outside / target)
+    assert "symbolic link" in failed_message(root, access={"uid": 4321, "gid": 4321})
+    assert snapshot(outside) == before
+
+
+def test_fifo_at_the_region_file_is_refused_without_blocking(shm_dir: Path) -> None:
+    root = shm_dir / "root"
+    os.mkfifo(region_dir(root) / "vllm_offload_r1.mmap")
+    assert "FIFO" in failed_message(root)
+
+
+def test_hard_link_at_the_region_file_is_refused(shm_dir: Path, outside: Path) -> None:
+    root = shm_dir / "root"
+    size = 16 * 65536 * 2
+    os.truncate(outside / "secret", size)  # even of the right size
+    before = snapshot(outside)
+    os.link(outside / "secret", region_dir(root) / "vllm_offload_r1.mmap")
+    message = failed_message(root, access={"uid": 4321, "gid": 4321, "mode": 0o600})
+    assert "2 hard links" in message
+    after = snapshot(outside)
+    assert after["secret"][:4] == before["secret"][:4]  # mode, owner, size untouched
+    assert after["secret"][5] == before["secret"][5]
+
+
+def test_directory_at_the_region_file_is_refused(shm_dir: Path) -> None:
+    root = shm_dir / "root"
+    (region_dir(root) / "vllm_offload_r1.mmap").mkdir()
+    assert "a directory" in failed_message(root)
+
+
+@pytest.mark.parametrize("level", ["namespace", "region"])
+def test_symlink_at_a_directory_is_refused(shm_dir: Path, outside: Path, level: str) -> None:
+    root = shm_dir / "root"
+    root.mkdir(mode=0o711)
+    before = snapshot(outside)
+    if level == "namespace":
+        (root / "ns1").symlink_to(outside)
+    else:
+        (root / "ns1").mkdir(mode=0o711)
+        (root / "ns1" / "r1").symlink_to(outside)
+    message = failed_message(root, access={"uid": 4321, "gid": 4321})
+    assert "symbolic link" in message
+    assert snapshot(outside) == before
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo"])
+def test_non_directory_where_a_directory_goes_is_refused(shm_dir: Path, kind: str) -> None:
+    root = shm_dir / "root"
+    root.mkdir(mode=0o711)
+    (root / "ns1").mkdir(mode=0o711)
+    planted = root / "ns1" / "r1"
+    if kind == "file":
+        planted.write_bytes(b"")
+    else:
+        os.mkfifo(planted)
+    message = failed_message(root)
+    assert ("a regular file" if kind == "file" else "a FIFO") in message
+
+
+def test_namespace_directory_someone_else_owns_is_refused(shm_dir: Path) -> None:
+    root = shm_dir / "root"
+    root.mkdir(mode=0o711)
+    (root / "ns1").mkdir(mode=0o777)
+    os.chmod(root / "ns1", 0o777)
+    assert "mode 0o777" in failed_message(root)
+
+
+def test_a_root_that_is_a_symlink_or_not_the_agents_is_refused(
+    shm_dir: Path, outside: Path
+) -> None:
+    (shm_dir / "link").symlink_to(outside)
+    with pytest.raises(UnsafePathError, match="symbolic link"):
+        RegionRoot(str(shm_dir / "link"))
+    shared = shm_dir / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(UnsafePathError, match="no one else can write"):
+        RegionRoot(str(shared))
+    foreign = shm_dir / "foreign"
+    foreign.mkdir(mode=0o711)
+    os.chown(foreign, 4321, 4321)
+    with pytest.raises(UnsafePathError, match="owned by uid 4321"):
+        RegionRoot(str(foreign))
+
+
+def test_invalid_names_never_become_paths(shm_dir: Path) -> None:
+    root = RegionRoot(str(shm_dir / "root"))
+    for namespace, name in (("..", "r1"), ("ns1", ".."), ("ns1", "a/b"), ("NS", "r1")):
+        with pytest.raises(UnsafePathError):
+            root.open_region_dir(namespace, name)
+    assert list((shm_dir / "root").iterdir()) == []
+
+
+def test_a_symlink_planted_over_a_ready_region_is_not_followed_on_drain(
+    shm_dir: Path, outside: Path
+) -> None:
+    root = shm_dir / "root"
+    reconciler = make_reconciler(root)
+    settle(reconciler, view(region()))
+    before = snapshot(outside)
+    path = root / "ns1" / "r1" / "vllm_offload_r1.mmap"
+    path.unlink()
+    path.symlink_to(outside / "secret")
+    result = settle(reconciler, view())
+    report = result.reports["ns1/r1"]
+    assert report.phase is NodeRegionPhase.REMOVED
+    assert "symbolic link" in report.message
+    assert path.is_symlink()  # left in place, reported
+    assert snapshot(outside) == before
+
+
+def test_inventory_reports_unsafe_entries_without_opening_them(
+    shm_dir: Path, outside: Path
+) -> None:
+    root = shm_dir / "root"
+    directory = region_dir(root)
+    (directory / "vllm_offload_a.mmap").symlink_to(outside / "secret")
+    os.mkfifo(directory / "vllm_offload_b.mmap")
+    (root / "ns1" / "elsewhere").symlink_to(outside)
+    result = make_reconciler(root).reconcile(view())
+    assert result.inventory is not None
+    assert result.inventory.files == ()
+    problems = "\n".join(result.inventory.problems)
+    assert "vllm_offload_a.mmap is a symbolic link" in problems
+    assert "vllm_offload_b.mmap is a FIFO" in problems
+    assert "elsewhere is a symbolic link" in problems
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "../outside/vllm_offload_r1.mmap",
+        "ns1/../../outside/vllm_offload_r1.mmap",
+        "/etc/passwd",
+        "ns1/r1/secret",
+        "ns1/r1",
+    ],
+)
+def test_reclaim_paths_that_leave_the_root_are_refused(
+    shm_dir: Path, outside: Path, path: str
+) -> None:
+    root = shm_dir / "root"
+    before = snapshot(outside)
+    reconciler = make_reconciler(root)
+    result = reconciler.reconcile(view(reclaims=(ReclaimRequest(path),)))
+    assert result.reclaims[path].outcome is ReclaimOutcome.FAILED
+    assert "nothing was removed" in result.reclaims[path].message
+    assert snapshot(outside) == before
+
+
+def test_reclaim_of_a_symlink_removes_nothing(shm_dir: Path, outside: Path) -> None:
+    root = shm_dir / "root"
+    (region_dir(root) / "vllm_offload_r1.mmap").symlink_to(outside / "vllm_offload_r1.mmap")
+    before = snapshot(outside)
+    path = "ns1/r1/vllm_offload_r1.mmap"
+    result = make_reconciler(root).reconcile(view(reclaims=(ReclaimRequest(path),)))
+    assert result.reclaims[path].outcome is ReclaimOutcome.FAILED
+    assert "symbolic link" in result.reclaims[path].message
+    assert snapshot(outside) == before
