@@ -21,7 +21,7 @@ BACKEND_NAMES = ("dma", "kernel", "cpu")
 def _default_kernel_below() -> dict[Direction, int]:
     # Measured on an H200 (docs/transfer.md): at 16 KiB the copy engines are bound by the
     # driver's ~0.5 us per descriptor (27-36 GB/s) while the kernel moves 48-50 GB/s; from
-    # 64 KiB the engines reach 49-54 GB/s, and only they overlap both directions (82+ GB/s
+    # 64 KiB the engines reach 47-54 GB/s, and only they overlap both directions (80-94 GB/s
     # against ~53 GB/s for two kernels).
     return {Direction.CPU_TO_GPU: 64 * 1024, Direction.GPU_TO_CPU: 64 * 1024}
 
