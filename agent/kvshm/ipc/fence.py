@@ -1,0 +1,118 @@
+"""CPU memory fences for the ring's flag protocol, callable from Python.
+
+CPython has no atomic fence in its standard library, so this module assembles one or two
+instructions into a page of executable memory (written first, then made read+execute: never
+writable and executable at once) and calls them through ctypes, about 100 ns a call.
+
+Why these fences are enough. Every flag is one byte, and a single byte is written and read
+whole on every CPU. Each side's accesses happen in separate C calls of the interpreter (a
+memoryview or mmap item or slice operation each), which the C compiler cannot reorder across,
+so only the CPU's own reordering matters. The protocol needs exactly these orders:
+
+- writer: the loads that found a chunk free come before its stores into the chunk
+  (`load_fence`); its chunk stores come before it clears the read flags (`copy_fence`); the
+  cleared read flags come before `written = 1` (`store_fence`).
+- reader: its read-flag load comes before its written-flag load, and both before it loads the
+  chunk (`load_fence`); its chunk loads come before it sets its read flag (`load_fence`).
+
+x86-64 (TSO): loads are not reordered with other loads, stores are not reordered with other
+stores, and loads are not reordered with later stores, so `load_fence` and `store_fence`
+need no instruction. The exception is non-temporal stores, which glibc's memcpy uses for
+large copies and which are weakly ordered: `copy_fence` is an `sfence` after the writer's
+chunk copy.
+
+AArch64 (weakly ordered): `load_fence` is `dmb ishld` (earlier loads before later loads and
+stores), `store_fence` and `copy_fence` are `dmb ishst` (earlier stores before later stores).
+All processes of a node share one inner-shareable domain, so `ish` covers them.
+
+If executable memory is refused (a strict SELinux or seccomp policy), x86-64 falls back to
+no instruction for `copy_fence` (glibc ends its non-temporal copy loops with an sfence of its
+own) and other CPUs to a threading lock round trip, with a warning once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import platform
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+Fence = Callable[[], None]
+
+_X86_SFENCE = bytes.fromhex("0faef8") + b"\xc3"  # sfence; ret
+_ARM_DMB_ISHLD = bytes.fromhex("bf3903d5") + bytes.fromhex("c0035fd6")  # dmb ishld; ret
+_ARM_DMB_ISHST = bytes.fromhex("bf3a03d5") + bytes.fromhex("c0035fd6")  # dmb ishst; ret
+
+_PAGE = mmap.PAGESIZE
+_PROT_READ, _PROT_WRITE, _PROT_EXEC = 1, 2, 4
+_MAP_PRIVATE, _MAP_ANONYMOUS = 0x02, 0x20
+
+
+def _no_fence() -> None:
+    """A fence the CPU's own ordering makes unnecessary (see the module docstring)."""
+
+
+def _machine_code_fence(code: bytes) -> Fence:
+    """Place `code` in its own page, make the page read+execute, return it as a function."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    address = libc.mmap(None, _PAGE, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap of a page for a fence failed")
+    ctypes.memmove(address, code, len(code))
+    if libc.mprotect(address, _PAGE, _PROT_READ | _PROT_EXEC) != 0:
+        raise OSError(ctypes.get_errno(), "mprotect(PROT_EXEC) of the fence page was refused")
+    function: Fence = ctypes.CFUNCTYPE(None)(address)
+    return function
+
+
+def _lock_round_trip_fence() -> Fence:
+    lock = threading.Lock()
+
+    def fence() -> None:
+        with lock:
+            pass
+
+    return fence
+
+
+def _select() -> tuple[Fence, Fence, Fence, str]:
+    """(load_fence, store_fence, copy_fence, description) for this CPU."""
+    machine = platform.machine().lower()
+    try:
+        if machine in ("x86_64", "amd64"):
+            return _no_fence, _no_fence, _machine_code_fence(_X86_SFENCE), "x86-64 TSO + sfence"
+        if machine in ("aarch64", "arm64"):
+            load = _machine_code_fence(_ARM_DMB_ISHLD)
+            store = _machine_code_fence(_ARM_DMB_ISHST)
+            return load, store, store, "aarch64 dmb ishld / dmb ishst"
+    except OSError as exc:
+        log.warning("kvshm.ipc: no executable page for a CPU fence (%s); using a fallback", exc)
+        if machine in ("x86_64", "amd64"):
+            return _no_fence, _no_fence, _no_fence, "x86-64 TSO (no sfence: exec page refused)"
+    log.warning(
+        "kvshm.ipc: no CPU fence for %r; ordering rests on a lock round trip, which is not "
+        "guaranteed to be a full barrier on every CPU",
+        machine,
+    )
+    fallback = _lock_round_trip_fence()
+    return fallback, fallback, fallback, f"{machine}: lock round trip"
+
+
+load_fence, store_fence, copy_fence, FENCE_KIND = _select()
+"""load_fence: earlier loads before later loads and stores. store_fence: earlier ordinary
+stores before later stores. copy_fence: earlier stores of any kind, non-temporal included,
+before later stores. FENCE_KIND says which implementation this process uses."""

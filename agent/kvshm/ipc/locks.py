@@ -1,0 +1,44 @@
+"""Liveness through open-file-description byte locks (Linux F_OFD_SETLK / F_OFD_GETLK).
+
+A process that holds a role (the writer, reader slot r) write-locks one byte of the ring file
+for as long as it holds the role. The kernel drops the lock when the process dies, however it
+dies, so "the byte is not locked" means "the holder is gone". Unlike a pid this works across
+containers with separate pid namespaces (the lock lives on the shared inode), and unlike a pid
+it cannot be confused by a recycled pid. A child forked while holding a role keeps the lock
+alive (it shares the open file description): claim roles after forking.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import struct
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
+_SEEK_SET = 0
+
+
+def _request(lock_type: int, offset: int) -> bytes:
+    return _FLOCK.pack(lock_type, _SEEK_SET, offset, 1, 0)
+
+
+def try_lock_byte(fd: int, offset: int) -> bool:
+    """Write-lock the byte at `offset`; False if another open file description holds it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _request(fcntl.F_WRLCK, offset))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def unlock_byte(fd: int, offset: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _request(fcntl.F_UNLCK, offset))
+
+
+def byte_is_locked(fd: int, offset: int) -> bool:
+    """Whether an open file description other than `fd`'s holds a lock on the byte."""
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _request(fcntl.F_WRLCK, offset))
+    lock_type: int = _FLOCK.unpack(answer)[0]
+    return lock_type != fcntl.F_UNLCK

@@ -1,0 +1,202 @@
+"""The writer side of the ring's flag protocol (SEMANTICS §6), with joins, leaves and
+dead-reader detection."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Literal
+
+from kvshm.ipc.errors import ReaderDiedError, RingConfigError, RoleBusyError
+from kvshm.ipc.fence import copy_fence, load_fence, store_fence
+from kvshm.ipc.locks import byte_is_locked, try_lock_byte, unlock_byte
+from kvshm.ipc.registry import JOIN
+from kvshm.ipc.ring import ShmRingBuffer
+from kvshm.ipc.waiting import CancelEvent, Waiter, WaitPolicy
+
+log = logging.getLogger(__name__)
+
+DeadReaderAction = Literal["raise", "evict"]
+
+
+class RingWriter:
+    """The one writer of a ring. acquire() a chunk, fill it, publish() it.
+
+    Only readers that have joined are waited for; a reader receives the messages whose
+    acquire() came after the writer carried out its join. A joined reader that dies blocks the
+    writer until a replacement joins its slot or peer_death_grace_seconds pass; then the
+    writer raises ReaderDiedError (on_dead_reader="raise") or evicts it and goes on ("evict").
+    A writer restarted on an existing ring (its predecessor died) continues at the chunk its
+    predecessor would have written next.
+    """
+
+    def __init__(
+        self,
+        ring: ShmRingBuffer,
+        policy: WaitPolicy | None = None,
+        *,
+        on_dead_reader: DeadReaderAction = "raise",
+    ) -> None:
+        if on_dead_reader not in ("raise", "evict"):
+            raise RingConfigError(f"on_dead_reader must be 'raise' or 'evict': {on_dead_reader!r}")
+        self._ring = ring
+        self._policy = policy or WaitPolicy()
+        self._on_dead_reader = on_dead_reader
+        self._registry = registry = ring.registry
+        self._lock_fd = ring.file.reopen()
+        if not try_lock_byte(self._lock_fd, registry.writer_lock_offset):
+            os.close(self._lock_fd)
+            raise RoleBusyError(
+                f"ring {ring.path} already has a writer ({registry.writer_identity()}); a ring "
+                f"has one writer at a time: stop that one first, or use another ring"
+            )
+        self._index = registry.writer_cursor[0] % ring.max_chunks
+        registry.record_writer()
+        self._chunks = ring.chunks
+        self._flags = ring.flags
+        self._reads = ring.read_flags
+        self._cursor = registry.writer_cursor
+        self._requests = registry.requests
+        self._acked = registry.acks.tobytes()
+        self._all_read = b"\x01" * ring.n_reader
+        self._fresh = self._fresh_read_flags()
+        self._closed = False
+        self._serve_requests()
+
+    @property
+    def path(self) -> str:
+        return self._ring.path
+
+    # -- the hot path ------------------------------------------------------------------------
+
+    def acquire(
+        self, timeout: float | None = None, cancel: CancelEvent | None = None
+    ) -> memoryview:
+        """Wait until the current chunk is free, clear its written flag, return it to fill."""
+        if self._requests != self._acked:
+            self._serve_requests()
+        index = self._index
+        flags = self._flags[index]
+        if flags[0] and self._reads[index] != self._all_read:
+            self._wait_writable(index, timeout, cancel)
+        load_fence()  # the flag loads above come before any store into the chunk
+        flags[0] = 0
+        return self._chunks[index]
+
+    def publish(self) -> None:
+        """Hand the filled chunk to the readers and move to the next one."""
+        index = self._index
+        copy_fence()  # the chunk's bytes before the cleared read flags
+        self._reads[index][:] = self._fresh
+        store_fence()  # the cleared read flags before written = 1
+        self._flags[index][0] = 1
+        index += 1
+        if index == len(self._chunks):
+            index = 0
+        self._index = index
+        self._cursor[0] = index
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def _blockers(self, index: int) -> list[int]:
+        return [rank for rank, done in enumerate(self._reads[index].tobytes()) if not done]
+
+    def _wait_writable(self, index: int, timeout: float | None, cancel: CancelEvent | None) -> None:
+        flags, reads = self._flags[index], self._reads[index]
+        dead_since: dict[int, float] = {}
+
+        def describe() -> str:
+            return (
+                f"writer of ring {self.path} waiting for readers {self._blockers(index)} to "
+                f"read chunk {index}"
+            )
+
+        grace = self._policy.peer_death_grace_seconds
+
+        def check(now: float) -> None:
+            for rank in self._blockers(index):
+                if self._reader_alive(rank):
+                    dead_since.pop(rank, None)
+                elif now - dead_since.setdefault(rank, now) >= grace:
+                    self._dead_reader(rank)
+
+        waiter = Waiter(self._policy, describe, timeout=timeout, cancel=cancel, check=check)
+        while True:
+            if self._requests != self._acked:
+                self._serve_requests()
+            if not flags[0] or reads == self._all_read:
+                return
+            waiter.pause()
+
+    def _reader_alive(self, rank: int) -> bool:
+        return byte_is_locked(self._lock_fd, self._registry.reader_lock_offset(rank))
+
+    def _dead_reader(self, rank: int) -> None:
+        who = self._registry.reader_identity(rank)
+        if self._on_dead_reader == "evict":
+            log.warning("ring %s: reader %d (%s) died; evicting it", self.path, rank, who)
+            self.evict_reader(rank)
+            return
+        raise ReaderDiedError(rank, who, self.path, self._policy.peer_death_grace_seconds)
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Wait until every reader slot has joined (the start-up handshake)."""
+        active = self._registry.active
+
+        def describe() -> str:
+            missing = [rank for rank, on in enumerate(active.tobytes()) if not on]
+            return f"writer of ring {self.path} waiting for readers {missing} to join"
+
+        waiter = Waiter(self._policy, describe, timeout=timeout)
+        while True:
+            self._serve_requests()
+            if all(active.tobytes()):
+                return
+            waiter.pause()
+
+    # -- joins, leaves and evictions ---------------------------------------------------------
+
+    def _fresh_read_flags(self) -> bytes:
+        """Read flags of a newly written chunk: 0 for joined readers, 1 for empty slots."""
+        return bytes(1 - on for on in self._registry.active.tobytes())
+
+    def _serve_requests(self) -> None:
+        registry = self._registry
+        requests = self._requests.tobytes()
+        for rank, (asked, done) in enumerate(zip(requests, self._acked, strict=True)):
+            if asked == done:
+                continue
+            load_fence()  # the request generation before its kind
+            self._ring.mark_read_everywhere(rank)
+            if registry.kinds[rank] == JOIN:
+                registry.set_start(rank, self._index)
+                registry.active[rank] = 1
+            else:
+                registry.active[rank] = 0
+            store_fence()  # start position and flags before the acknowledgement
+            registry.acks[rank] = asked
+        self._acked = requests
+        self._fresh = self._fresh_read_flags()
+
+    def evict_reader(self, rank: int) -> None:
+        """Stop waiting for reader `rank` (e.g. after ReaderDiedError). A replacement reader
+        re-joins the slot by attaching with rank=rank."""
+        if not 0 <= rank < self._ring.n_reader:
+            raise RingConfigError(f"reader rank {rank} is not in 0..{self._ring.n_reader - 1}")
+        self._ring.mark_read_everywhere(rank)
+        self._registry.active[rank] = 0
+        self._fresh = self._fresh_read_flags()
+
+    def joined_readers(self) -> list[int]:
+        self._serve_requests()
+        return [rank for rank, on in enumerate(self._registry.active.tobytes()) if on]
+
+    # -- cleanup ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Give up the writer role (a new writer may then resume the ring). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        unlock_byte(self._lock_fd, self._registry.writer_lock_offset)
+        os.close(self._lock_fd)
