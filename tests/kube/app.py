@@ -20,7 +20,7 @@ from tests.kube import discovery, routes, tables
 from tests.kube.errors import ApiError, bad_request
 from tests.kube.resources import ResourceType
 from tests.kube.selectors import field_matcher, label_matcher
-from tests.kube.store import Store
+from tests.kube.store import Store, Write
 from tests.kube.watching import STOP
 
 JSON = "application/json"
@@ -102,7 +102,10 @@ class KubeApiHandler(kmock.RawHandler):
         query = raw.query
         method = raw.method
         store = self.store
-        dry_run = query.get("dryRun") == "All"
+        write = Write(
+            dry_run=query.get("dryRun") == "All",
+            strict_fields=query.get("fieldValidation") == "Strict",
+        )
         namespace = target.namespace if rtype.namespaced else None
         if target.name is None:
             matches = _matcher(query)
@@ -114,8 +117,8 @@ class KubeApiHandler(kmock.RawHandler):
                     return aiohttp.web.json_response(tables.table(rtype, items))
                 return aiohttp.web.json_response(self._list_body(rtype, items, query))
             if method == "POST":
-                created = store.create(rtype, target.namespace, _body(request), dry_run=dry_run)
-                return aiohttp.web.json_response(created, status=201)
+                created = store.create(rtype, target.namespace, _body(request), write=write)
+                return _written(created, write, status=201)
             if method == "DELETE":
                 deleted = store.delete_collection(rtype, namespace, matches)
                 return aiohttp.web.json_response(self._list_body(rtype, deleted, {}))
@@ -130,9 +133,9 @@ class KubeApiHandler(kmock.RawHandler):
                     target.name,
                     _body(request),
                     target.subresource,
-                    dry_run=dry_run,
+                    write=write,
                 )
-                return aiohttp.web.json_response(obj)
+                return _written(obj, write)
             if method == "PATCH":
                 content_type = raw.headers.get("Content-Type", "").split(";")[0].strip()
                 obj = store.patch(
@@ -142,12 +145,12 @@ class KubeApiHandler(kmock.RawHandler):
                     content_type,
                     _body(request),
                     target.subresource,
-                    dry_run=dry_run,
+                    write=write,
                 )
-                return aiohttp.web.json_response(obj)
+                return _written(obj, write)
             if method == "DELETE" and target.subresource is None:
                 options = request.data if isinstance(request.data, dict) else {}
-                obj = store.delete(rtype, namespace, target.name, options, dry_run=dry_run)
+                obj = store.delete(rtype, namespace, target.name, options, write=write)
                 return aiohttp.web.json_response(obj)
         raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on {raw.path}")
 
@@ -266,6 +269,14 @@ def _body(request: kmock.Request) -> Any:
     if request.data is None and request.body:
         raise bad_request("the request body is not JSON (YAML bodies are not emulated)")
     return request.data
+
+
+def _written(obj: Any, write: Write, status: int = 200) -> aiohttp.web.Response:
+    """The object a write produced, with the API server's warnings (e.g. pruned fields)."""
+    response = aiohttp.web.json_response(obj, status=status)
+    for warning in write.warnings:
+        response.headers.add("Warning", f"299 - {json.dumps(warning)}")
+    return response
 
 
 async def _write(response: aiohttp.web.StreamResponse, event: dict[str, Any]) -> None:

@@ -161,6 +161,15 @@ class KubeApi:
         return self.call(lambda store: store.log.close_all())
 
     @property
+    def unknown_fields(self) -> list[str]:
+        """Fields of custom resources the CRD schemas pruned ("Kind ns/name: path").
+
+        A real API server drops them silently, so a component that writes one loses data:
+        integration tests should assert this stays empty.
+        """
+        return self.call(lambda store: list(store.unknown_fields))
+
+    @property
     def requests(self) -> list[kmock.Request]:
         """Every request served so far (kmock's record), for assertions."""
         return list(self.handler)

@@ -22,12 +22,14 @@ INT_BOUNDS = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 _ROOT_KEYS = ("apiVersion", "kind", "metadata")
 
 
-def prepare(obj: dict[str, Any], schema: Schema) -> dict[str, Any]:
-    """A copy of obj with unknown fields pruned and defaults applied (metadata left alone)."""
+def prepare(obj: dict[str, Any], schema: Schema) -> tuple[dict[str, Any], list[str]]:
+    """A copy of obj with unknown fields pruned and defaults applied (metadata left alone),
+    and the paths of the fields it pruned."""
     result = copy.deepcopy(obj)
     body = {k: v for k, v in result.items() if k not in _ROOT_KEYS}
-    body = _prune_and_default(body, _body_schema(schema))
-    return {**{k: result[k] for k in _ROOT_KEYS if k in result}, **body}
+    pruned: list[str] = []
+    body = _prune_and_default(body, _body_schema(schema), "", pruned)
+    return {**{k: result[k] for k in _ROOT_KEYS if k in result}, **body}, pruned
 
 
 def validate(obj: Mapping[str, Any], schema: Schema, old: Mapping[str, Any] | None) -> list[Cause]:
@@ -53,15 +55,18 @@ def _cel_metadata(obj: Mapping[str, Any]) -> dict[str, Any]:
     return {k: meta[k] for k in ("name", "generateName") if k in meta}
 
 
-def _prune_and_default(value: Any, schema: Schema) -> Any:
+def _prune_and_default(value: Any, schema: Schema, path: str, pruned: list[str]) -> Any:
     if isinstance(value, dict) and schema.get("type", "object") == "object":
-        return _object_prune_and_default(value, schema)
+        return _object_prune_and_default(value, schema, path, pruned)
     if isinstance(value, list) and "items" in schema:
-        return [_prune_and_default(item, schema["items"]) for item in value]
+        items = enumerate(value)
+        return [_prune_and_default(v, schema["items"], f"{path}[{i}]", pruned) for i, v in items]
     return value
 
 
-def _object_prune_and_default(value: dict[str, Any], schema: Schema) -> dict[str, Any]:
+def _object_prune_and_default(
+    value: dict[str, Any], schema: Schema, path: str, pruned: list[str]
+) -> dict[str, Any]:
     properties: Mapping[str, Schema] = schema.get("properties", {})
     additional = schema.get("additionalProperties")
     keep_unknown = schema.get("x-kubernetes-preserve-unknown-fields", False)
@@ -73,13 +78,16 @@ def _object_prune_and_default(value: dict[str, Any], schema: Schema) -> dict[str
         if sub is None:
             if keep_unknown or (additional is True):
                 result[key] = item
-            continue  # pruned: unknown fields are dropped silently, as the API server does
+            else:
+                pruned.append(_join(path, key))  # dropped, as the API server does
+            continue
         if item is None and not sub.get("nullable", False):
             continue  # null of a non-nullable field is pruned, so its default applies
-        result[key] = _prune_and_default(item, sub)
+        child = _join(path, key) if key in properties else f"{path}[{key}]"
+        result[key] = _prune_and_default(item, sub, child, pruned)
     for key, sub in properties.items():
         if key not in result and "default" in sub:
-            result[key] = _prune_and_default(copy.deepcopy(sub["default"]), sub)
+            result[key] = _prune_and_default(copy.deepcopy(sub["default"]), sub, path, pruned)
     return result
 
 

@@ -7,7 +7,9 @@ respect to watches: an event is logged and fanned out in the same step that chan
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tests.kube import meta, patching, schema
@@ -26,6 +28,17 @@ from tests.kube.selectors import Matcher
 from tests.kube.watching import Change, EventLog, Watcher
 
 Key = tuple[str | None, str]  # (namespace, name)
+
+
+@dataclass
+class Write:
+    """Options of one write request, and the warnings the API server sends back for it."""
+
+    dry_run: bool = False  # ?dryRun=All: validate and answer, store nothing
+    strict_fields: bool = False  # ?fieldValidation=Strict: unknown fields are an error
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+
 INITIAL_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 
 
@@ -35,6 +48,9 @@ class Store:
         self._objects: dict[tuple[str, str], dict[Key, dict[str, Any]]] = {}
         self._rv = 0
         self.log = EventLog()
+        # fields of custom resources the schema pruned ("Kind ns/name: path"): silently lost
+        # data on a real cluster, so tests can assert a component writes none
+        self.unknown_fields: list[str] = []
         for rtype in BUILTIN_TYPES:
             self.register(rtype)
         namespaces = self.resource("", "v1", "namespaces")
@@ -98,7 +114,7 @@ class Store:
 
     # -- writes --------------------------------------------------------------------------
     def create(
-        self, rtype: ResourceType, namespace: str | None, body: Any, *, dry_run: bool = False
+        self, rtype: ResourceType, namespace: str | None, body: Any, *, write: Write | None = None
     ) -> dict[str, Any]:
         if not isinstance(body, Mapping):
             raise bad_request("the request body must be a JSON object")
@@ -125,10 +141,10 @@ class Store:
             obj.pop("status", None)  # status is written through /status only
         if rtype.plural == "namespaces" and not rtype.group:
             obj["status"] = {"phase": "Active"}
-        obj = self._admit(rtype, obj, None)
+        obj = self._admit(rtype, obj, None, write or Write())
         if (namespace, name) in self._bucket(rtype):  # after validation, as in the API server
             raise already_exists(rtype.plural, rtype.group, str(name))
-        if dry_run:
+        if write is not None and write.dry_run:
             return self._view(rtype, obj)
         return self._commit(rtype, None, obj)
 
@@ -140,7 +156,7 @@ class Store:
         body: Any,
         subresource: str | None,
         *,
-        dry_run: bool = False,
+        write: Write | None = None,
     ) -> dict[str, Any]:
         if not isinstance(body, Mapping):
             raise bad_request("the request body must be a JSON object")
@@ -158,7 +174,7 @@ class Store:
                 "Invalid value: 0x0: must be specified for an update",
             )
             raise invalid(rtype.kind, rtype.group, name, [cause])
-        return self._replace(rtype, old, dict(body), subresource, dry_run=dry_run)
+        return self._replace(rtype, old, dict(body), subresource, write=write or Write())
 
     def patch(
         self,
@@ -169,7 +185,7 @@ class Store:
         patch: Any,
         subresource: str | None,
         *,
-        dry_run: bool = False,
+        write: Write | None = None,
     ) -> dict[str, Any]:
         old = self._stored(rtype, namespace, name)
         target = copy.deepcopy(old)
@@ -189,7 +205,7 @@ class Store:
             raise ApiError(422, "Invalid", message) from exc
         if not isinstance(patched, dict):
             raise bad_request("the patch made the object something other than an object")
-        return self._replace(rtype, old, patched, subresource, dry_run=dry_run)
+        return self._replace(rtype, old, patched, subresource, write=write or Write())
 
     def delete(
         self,
@@ -198,11 +214,11 @@ class Store:
         name: str,
         options: Mapping[str, Any] | None = None,
         *,
-        dry_run: bool = False,
+        write: Write | None = None,
     ) -> dict[str, Any]:
         old = self._stored(rtype, namespace, name)
         self._check_preconditions(rtype, old, (options or {}).get("preconditions") or {})
-        if dry_run:
+        if write is not None and write.dry_run:
             return self._view(rtype, old)
         if meta.is_deleting(old):
             return self._view(rtype, old)
@@ -304,7 +320,7 @@ class Store:
         incoming: dict[str, Any],
         subresource: str | None,
         *,
-        dry_run: bool,
+        write: Write,
     ) -> dict[str, Any]:
         name = old["metadata"]["name"]
         if subresource not in (None, "status") or (
@@ -325,8 +341,8 @@ class Store:
                 "please apply your changes to the latest version and try again",
             )
         new = self._merge_update(rtype, old, incoming, subresource)
-        new = self._admit(rtype, new, old)
-        if dry_run:
+        new = self._admit(rtype, new, old, write)
+        if write.dry_run:
             return self._view(rtype, new)
         return self._commit(rtype, old, new)
 
@@ -373,11 +389,16 @@ class Store:
         return new
 
     def _admit(
-        self, rtype: ResourceType, obj: dict[str, Any], old: dict[str, Any] | None
+        self, rtype: ResourceType, obj: dict[str, Any], old: dict[str, Any] | None, write: Write
     ) -> dict[str, Any]:
         """Schema defaults and validation of custom resources; CRDs get their types registered."""
         if rtype.custom and rtype.schema is not None:
-            obj = schema.prepare(obj, rtype.schema)
+            obj, pruned = schema.prepare(obj, rtype.schema)
+            if pruned and write.strict_fields:
+                raise bad_request(f'strict decoding error: unknown field "{pruned[0]}"')
+            where = f"{rtype.kind} {_key_text(obj)}"
+            self.unknown_fields += [f"{where}: {path}" for path in pruned]
+            write.warnings += [f'unknown field "{path}"' for path in pruned]
             causes = schema.validate(obj, rtype.schema, old)
             if causes:
                 raise invalid(rtype.kind, rtype.group, obj["metadata"]["name"], causes)
@@ -494,6 +515,11 @@ class Store:
         if any(ns == name for bucket in self._objects.values() for (ns, _) in bucket):
             return
         self._remove(namespaces, ns_obj)
+
+
+def _key_text(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta['namespace']}/{meta['name']}" if meta.get("namespace") else str(meta["name"])
 
 
 def _without_rv(obj: Mapping[str, Any]) -> dict[str, Any]:

@@ -362,3 +362,31 @@ def test_kmock_reactions_come_first_for_fault_injection(
     assert raised.value.status == 503
     make(api, "r1")  # other requests still reach the emulated server
     assert kube_api.handler.failures == []
+
+
+def test_unknown_fields_are_pruned_reported_and_refused_when_strict(
+    kube_api: KubeApi, api: kubernetes.client.CustomObjectsApi
+) -> None:
+    body = region("r1", colour="blue")
+    created, _, headers = api.create_namespaced_custom_object_with_http_info(
+        GROUP, VERSION, "default", REGIONS, body
+    )
+    assert "colour" not in created["spec"]
+    assert 'unknown field \\"spec.colour\\"' in headers["Warning"]
+    patch_status(
+        api, "r1", {"status": {"phase": "Ready", "nodes": {"n1": {"phase": "Ready", "speed": 1}}}}
+    )
+    assert kube_api.unknown_fields == [
+        "OffloadRegion default/r1: spec.colour",
+        "OffloadRegion default/r1: status.nodes[n1].speed",
+    ]
+    with pytest.raises(ApiException) as raised:
+        api.create_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            "default",
+            REGIONS,
+            region("r2", colour="red"),
+            field_validation="Strict",
+        )
+    assert raised.value.status == 400 and "spec.colour" in error_of(raised)["message"]
