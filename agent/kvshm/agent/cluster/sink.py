@@ -18,6 +18,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from kvshm.agent.cluster import rest
 from kvshm.agent.errors import ErrorReason
 from kvshm.agent.gate import ReportGate
 from kvshm.agent.reports import AgentEvent, NodeReport, PassResult, format_timestamp
@@ -46,7 +47,7 @@ class ClusterSink:
         self.node_name = node_name
         self._version = version
         self._custom = client.CustomObjectsApi(api_client)
-        self._core = client.CoreV1Api(api_client)
+        self._api_client = api_client
         self._count_error = count_error
         self._heartbeat_seconds = heartbeat_seconds
         self._gate = ReportGate(progress_seconds)
@@ -199,11 +200,7 @@ class ClusterSink:
             "count": 1,
         }
         try:
-            self._core.create_namespaced_event(
-                namespace,
-                body,  # type: ignore[arg-type]  # the client sends a dict as it is
-                _request_timeout=REQUEST_TIMEOUT,
-            )
+            rest.request(self._api_client, "POST", f"/api/v1/namespaces/{namespace}/events", body)
         except ApiException as exc:
             self._api_error(f"creating Event {event.reason.value} for {name}", exc)
 

@@ -12,6 +12,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from kvshm.agent.cluster import rest
 from kvshm.agent.cluster.watcher import ListWatch
 from kvshm.agent.reclaim import ReclaimRequest
 from kvshm.agent.view import ClusterView, KnownRegion
@@ -48,7 +49,7 @@ class ClusterSource:
         labels_refresh_seconds: float = 30.0,
     ) -> None:
         self.node_name = node_name
-        self._core = client.CoreV1Api(api_client())
+        self._api_client = api_client()
         self._labels_refresh = labels_refresh_seconds
         self._labels: dict[str, str] = {}
         self._labels_read_at: float | None = None
@@ -126,7 +127,7 @@ class ClusterSource:
             return
         self._labels_read_at = now
         try:
-            node = self._core.read_node(self.node_name, _request_timeout=10)
+            node = rest.request(self._api_client, "GET", f"/api/v1/nodes/{self.node_name}")
         except ApiException as exc:
             # keep the last labels: a transient error must not move regions off this node
             self._labels_problem = (
@@ -135,5 +136,5 @@ class ClusterSource:
             )
             log.warning("%s", self._labels_problem)
             return
-        self._labels = dict((node.metadata.labels if node.metadata else None) or {})
+        self._labels = dict((node.get("metadata") or {}).get("labels") or {})
         self._labels_problem = ""
