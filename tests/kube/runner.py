@@ -46,6 +46,8 @@ class KubeApi:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> KubeApi:
+        if self._thread.is_alive():
+            return self  # already running (start_kube_api() then `with`)
         self._thread.start()
         self._run(self._start())
         return self

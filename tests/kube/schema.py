@@ -95,20 +95,19 @@ def _show(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
+# bool before int: in Python a bool is an int, in JSON it is not
+_TYPE_NAMES = (
+    (bool, "boolean"),
+    (int, "integer"),
+    (float, "number"),
+    (str, "string"),
+    (list, "array"),
+    (dict, "object"),
+)
+
+
 def _type_name(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return "null"
+    return next((name for kind, name in _TYPE_NAMES if isinstance(value, kind)), "null")
 
 
 def _type_matches(value: Any, expected: str) -> bool:

@@ -12,7 +12,7 @@ import kubernetes
 import pytest
 
 from tests.kube.manifests import GROUP, NODES, REGIONS, VERSION, node, offload_node, region
-from tests.kube.runner import KubeApi
+from tests.kube.runner import KubeApi, start_kube_api
 
 ApiException = kubernetes.client.ApiException
 JSON_PATCH = "application/json-patch+json"
@@ -390,3 +390,19 @@ def test_unknown_fields_are_pruned_reported_and_refused_when_strict(
             field_validation="Strict",
         )
     assert raised.value.status == 400 and "spec.colour" in error_of(raised)["message"]
+
+
+def test_delete_preconditions(api: kubernetes.client.CustomObjectsApi) -> None:
+    created = make(api, "r1")
+    stale = kubernetes.client.V1DeleteOptions(preconditions={"resourceVersion": "1"})
+    with pytest.raises(ApiException) as raised:
+        api.delete_namespaced_custom_object(GROUP, VERSION, "default", REGIONS, "r1", body=stale)
+    assert raised.value.status == 409
+    current = kubernetes.client.V1DeleteOptions(preconditions={"uid": created["metadata"]["uid"]})
+    api.delete_namespaced_custom_object(GROUP, VERSION, "default", REGIONS, "r1", body=current)
+
+
+def test_start_kube_api_runs_outside_pytest() -> None:
+    with start_kube_api() as server:
+        version = json.load(urllib.request.urlopen(server.url + "/version", timeout=5))
+    assert version["major"] == "1"
