@@ -36,12 +36,16 @@ def validate(obj: Mapping[str, Any], schema: Schema, old: Mapping[str, Any] | No
     """Every violation of schema by obj (an already prepared object); [] when valid."""
     body = {k: v for k, v in obj.items() if k not in _ROOT_KEYS}
     causes = _validate(body, _body_schema(schema), "")
-    if causes:
-        return causes  # the API server runs the CEL rules on well-typed objects only
+    # the rules of a node whose own subtree is invalid would only fail on the same problem
+    invalid_paths = {cause.field for cause in causes}
     root_view = {**body, "metadata": _cel_metadata(obj)}
     old_body = None if old is None else {k: v for k, v in old.items() if k not in _ROOT_KEYS}
     old_view = None if old is None else {**(old_body or {}), "metadata": _cel_metadata(old)}
-    return _run_rules(root_view, schema, old_view, "")
+    return causes + _run_rules(root_view, schema, old_view, "", invalid_paths)
+
+
+def _is_within(path: str, node: str) -> bool:
+    return not node or path == node or path.startswith((node + ".", node + "["))
 
 
 def _body_schema(schema: Schema) -> Schema:
@@ -308,13 +312,12 @@ def _list_type_causes(value: list[Any], schema: Schema, path: str) -> list[Cause
     return causes
 
 
-def _run_rules(value: Any, schema: Schema, old: Any, path: str) -> list[Cause]:
-    """x-kubernetes-validations of this node, then of its children (value is well typed here)."""
-    causes = [
-        cause
-        for rule in schema.get("x-kubernetes-validations", ())
-        for cause in _run_rule(rule, value, old, path)
-    ]
+def _run_rules(value: Any, schema: Schema, old: Any, path: str, invalid: set[str]) -> list[Cause]:
+    """x-kubernetes-validations of this node (if its subtree is valid), then of its children."""
+    own_rules = schema.get("x-kubernetes-validations", ())
+    if any(_is_within(bad, path) for bad in invalid):
+        own_rules = ()
+    causes = [cause for rule in own_rules for cause in _run_rule(rule, value, old, path)]
     if isinstance(value, dict):
         properties: Mapping[str, Schema] = schema.get("properties", {})
         additional = schema.get("additionalProperties")
@@ -323,11 +326,11 @@ def _run_rules(value: Any, schema: Schema, old: Any, path: str) -> list[Cause]:
             sub = properties.get(key) or (additional if isinstance(additional, Mapping) else None)
             if sub is not None and key != "metadata":
                 child = _join(path, key) if key in properties else f"{path}[{key}]"
-                causes += _run_rules(item, sub, old_map.get(key), child)
+                causes += _run_rules(item, sub, old_map.get(key), child, invalid)
     elif isinstance(value, list) and isinstance(schema.get("items"), Mapping):
         for index, item in enumerate(value):
             # old items are correlated only for map lists in the API server; none here need it
-            causes += _run_rules(item, schema["items"], None, f"{path}[{index}]")
+            causes += _run_rules(item, schema["items"], None, f"{path}[{index}]", invalid)
     return causes
 
 

@@ -403,6 +403,19 @@ def test_delete_preconditions(api: kubernetes.client.CustomObjectsApi) -> None:
 
 
 def test_start_kube_api_runs_outside_pytest() -> None:
-    with start_kube_api() as server:
-        version = json.load(urllib.request.urlopen(server.url + "/version", timeout=5))
-    assert version["major"] == "1"
+    with (
+        start_kube_api() as server,
+        urllib.request.urlopen(server.url + "/version", timeout=5) as response,
+    ):
+        assert json.load(response)["major"] == "1"
+
+
+def test_every_problem_of_a_manifest_is_reported_at_once(
+    api: kubernetes.client.CustomObjectsApi,
+) -> None:
+    body = region("r1", access={"mode": 0o644})
+    body["spec"]["layout"]["numBlocks"] = 0
+    with pytest.raises(ApiException) as raised:
+        api.create_namespaced_custom_object(GROUP, VERSION, "default", REGIONS, body)
+    fields = [cause["field"] for cause in error_of(raised)["details"]["causes"]]
+    assert fields == ["spec.layout.numBlocks", "spec.access.mode"]
