@@ -41,7 +41,7 @@ class OperatorConfig:
     region_resync_seconds: float = 30.0
     node_sweep_seconds: float = 5.0
     # Runtime.
-    metrics_port: int = 9090  # 0: no /metrics endpoint
+    metrics_port: int = 9465  # 0: no /metrics endpoint (the chart's default port)
     max_workers: int = 64  # per-object queue workers and sync-handler threads
     watch_server_timeout_seconds: float = 300.0
     watch_client_timeout_seconds: float = 330.0

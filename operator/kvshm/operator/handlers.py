@@ -7,6 +7,7 @@ The decorators are applied in kvshm.operator.main.register, with the configured 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -43,7 +44,7 @@ from kvshm.operator.reports import (
     parse_node_reports,
     region_file_path,
 )
-from kvshm.operator.settings import configure
+from kvshm.operator.settings import FINALIZER, configure
 
 
 def _now() -> datetime:
@@ -67,6 +68,13 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     if getattr(memo, "writer", None) is None:
         memo.writer = KubernetesClientWriter()
     metrics.serve_once(config.metrics_port)
+
+
+async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """$KUBECONFIG when set (read now, not at the client library's import), else in-cluster."""
+    if os.environ.get("KUBECONFIG"):
+        return kopf.login_with_kubeconfig(**kwargs)
+    return kopf.login_via_client(**kwargs)
 
 
 async def probe_regions(**_: Any) -> int:
@@ -119,6 +127,7 @@ def _parse(body: kopf.Body) -> OffloadRegion:
     try:
         return parse_offload_region(body)
     except SpecError as exc:
+        kopf.warn(body, reason="InvalidSpec", message=str(exc))
         raise kopf.PermanentError(f"invalid OffloadRegion: {exc}") from exc
 
 
@@ -137,6 +146,8 @@ async def validate(
     config = _config(memo)
     placement = place(_parse(body), _cluster(config, node_labels, agents))
     if placement.verdict is Verdict.REJECTED:
+        # one Event per rejected generation: kopf does not retry a permanent error
+        kopf.warn(body, reason=placement.reason.value, message=placement.message)
         raise kopf.PermanentError(placement.message)
     if placement.verdict is Verdict.WAITING:
         raise kopf.TemporaryError(placement.message, delay=config.placement_retry_seconds)
@@ -155,24 +166,43 @@ def _derive(body: kopf.Body, cluster: ClusterView) -> RegionStatus:
     return derive_status(region, parse_node_reports(body.get("status")), cluster, deleting)
 
 
-def _reconcile(body: kopf.Body, patch: kopf.Patch, cluster: ClusterView) -> None:
+def _reconcile(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, cluster: ClusterView, *, level: bool
+) -> None:
+    """Bring status to what the reports say now.
+
+    Events for one object can arrive faster than our own patch comes back, each with a body
+    that does not show it yet; the event path therefore skips a result it already sent
+    (memo.sent). The timer (level=True) always compares with the object as it is.
+    """
+    if FINALIZER not in body.metadata.get("finalizers", ()) and not body.metadata.get(
+        "deletionTimestamp"
+    ):
+        # kopf adds the finalizer in this cycle; a status write now would race it (kopf
+        # re-adds it from the stale echo of our own write, and can miss the create handler)
+        return
     derived = _derive(body, cluster)
+    key = f"{body.metadata.namespace}/{body.metadata.name}"
+    metrics.TOTALS.set_region_phase(key, derived.phase)
+    sent: RegionStatus | None = getattr(memo, "sent", None)
+    if not level and derived == sent:
+        return
     current = body.get("status") or {}
     changes = status_patch(current, derived, cluster.now)
     if changes:
         patch.status.update(changes)
-    key = f"{body.metadata.namespace}/{body.metadata.name}"
-    metrics.TOTALS.set_region_phase(key, derived.phase)
-    previous = current.get("phase")
+    memo.sent = derived
+    previous = sent.phase.value if sent is not None else current.get("phase")
     if previous != derived.phase.value:
         _announce_phase(body, previous, derived)
     for node in derived.gone_nodes:
-        kopf.warn(
-            body,
-            reason="NodeGone",
-            message=f"node {node} no longer exists and its agent is silent: "
-            "dropped it from status.nodes",
-        )
+        if sent is None or node not in sent.gone_nodes:
+            kopf.warn(
+                body,
+                reason="NodeGone",
+                message=f"node {node} no longer exists and its agent is silent: "
+                "dropped it from status.nodes",
+            )
 
 
 def _announce_phase(body: kopf.Body, previous: str | None, derived: RegionStatus) -> None:
@@ -196,7 +226,7 @@ async def region_changed(
     if type == "DELETED":
         metrics.TOTALS.set_region_phase(f"{body.metadata.namespace}/{body.metadata.name}", None)
         return
-    _reconcile(body, patch, _cluster(_config(memo), node_labels, agents))
+    _reconcile(body, patch, memo, _cluster(_config(memo), node_labels, agents), level=False)
 
 
 async def region_resync(
@@ -209,7 +239,7 @@ async def region_resync(
 ) -> None:
     """The level-based safety net: what changes with time alone (an agent going silent, a node
     disappearing) and anything a missed event left behind."""
-    _reconcile(body, patch, _cluster(_config(memo), node_labels, agents))
+    _reconcile(body, patch, memo, _cluster(_config(memo), node_labels, agents), level=True)
 
 
 # --- OffloadRegion: deletion -----------------------------------------------------------------

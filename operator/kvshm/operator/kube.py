@@ -9,6 +9,7 @@ worker thread so the event loop never blocks.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, cast
 
@@ -37,11 +38,16 @@ class KubernetesClientWriter:
     def __init__(self) -> None:
         import kubernetes
 
+        configuration = kubernetes.client.Configuration()
         try:
-            kubernetes.config.load_incluster_config()
+            kubernetes.config.load_incluster_config(client_configuration=configuration)
         except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()
-        self._api = kubernetes.client.CustomObjectsApi()
+            # KUBECONFIG is read now: the client library reads it only once, at its import
+            kubernetes.config.load_kube_config(
+                config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration
+            )
+        client = kubernetes.client.ApiClient(configuration)
+        self._api = kubernetes.client.CustomObjectsApi(client)
         self._api_error = kubernetes.client.ApiException
 
     async def edit_offload_node_spec(self, name: str, edit: SpecEdit) -> bool:

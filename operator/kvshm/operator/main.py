@@ -33,6 +33,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
     """Every handler of the operator, registered into registry."""
     on = kopf.on
     on.startup(registry=registry)(handlers.startup)
+    on.login(registry=registry)(handlers.login)
     on.probe(id="regions", registry=registry)(handlers.probe_regions)
 
     # The cluster as the decisions see it: kopf keeps these indexes from watch streams.
@@ -81,13 +82,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_LIVENESS,
         help=f"liveness endpoint URL (default {DEFAULT_LIVENESS}; 'none' to disable)",
     )
-    parser.add_argument(
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
         "--namespace",
         action="append",
         default=[],
-        help="serve only these namespaces (repeatable); default: the whole cluster",
+        help="serve only the OffloadRegions of these namespaces (repeatable)",
     )
-    parser.add_argument("--verbose", action="store_true", help="log at debug level")
+    scope.add_argument(
+        "--all-namespaces", action="store_true", help="serve every namespace (the default)"
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
     return parser.parse_args(argv)
 
 
@@ -108,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvshm-operator: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     liveness = None if args.liveness.lower() == "none" else args.liveness

@@ -1,0 +1,296 @@
+"""A small cluster for the operator's integration tests: the API server emulator, Nodes, real
+`kvshm-agent` processes on real tmpfs roots, and the operator (in this process or another).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import kopf
+import kubernetes
+from kopf.testing import KopfRunner
+
+from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
+from kvshm.operator.config import ENV_PREFIX, OperatorConfig
+from kvshm.operator.main import register
+from tests.kube.runner import KubeApi
+
+T = TypeVar("T")
+NAMESPACE = "team"
+
+# Fast enough for tests, slow enough for a 2-core CI machine under load.
+TEST_CONFIG = OperatorConfig(
+    orphan_grace_seconds=4.0,
+    agent_silence_seconds=4.0,
+    deletion_poll_seconds=0.5,
+    placement_retry_seconds=1.0,
+    region_resync_seconds=1.0,
+    node_sweep_seconds=0.5,
+    metrics_port=0,
+    watch_server_timeout_seconds=30.0,
+    watch_client_timeout_seconds=40.0,
+)
+
+
+def config_environment(config: OperatorConfig) -> dict[str, str]:
+    """KVSHM_OPERATOR_* variables that reproduce config (for kopf run and subprocesses)."""
+    from dataclasses import fields
+
+    env = {}
+    for item in fields(config):
+        value = getattr(config, item.name)
+        env[ENV_PREFIX + item.name.upper()] = str(getattr(value, "value", value))
+    env[ENV_PREFIX + "PEERING_MODE"] = "standalone"
+    return env
+
+
+def wait_for(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
+    """The first truthy probe() within timeout, else AssertionError naming what was awaited."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+class Cluster:
+    """Synchronous conveniences over the emulator, for test bodies."""
+
+    def __init__(self, api: KubeApi, kubeconfig: Path) -> None:
+        self.api = api
+        self.kubeconfig = kubeconfig
+        self.client = api.api_client()
+        self.core = kubernetes.client.CoreV1Api(self.client)
+        self.custom = kubernetes.client.CustomObjectsApi(self.client)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def add_node(self, name: str, labels: Mapping[str, str] | None = None) -> None:
+        self.core.create_node({"metadata": {"name": name, "labels": dict(labels or {})}})
+
+    def delete_node(self, name: str) -> None:
+        self.core.delete_node(name)
+
+    def create_region(self, name: str, **spec: Any) -> dict[str, Any]:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "OffloadRegion",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"layout": {"numBlocks": 16, "cpuPageSize": 65536}, **spec},
+        }
+        result: dict[str, Any] = self.custom.create_namespaced_custom_object(  # type: ignore[assignment]
+            GROUP, VERSION, NAMESPACE, REGION_PLURAL, body
+        )
+        return result
+
+    def region(self, name: str) -> dict[str, Any] | None:
+        try:
+            result: dict[str, Any] = self.custom.get_namespaced_custom_object(  # type: ignore[assignment]
+                GROUP, VERSION, NAMESPACE, REGION_PLURAL, name
+            )
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return result
+
+    def status(self, name: str) -> dict[str, Any]:
+        return (self.region(name) or {}).get("status") or {}
+
+    def delete_region(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, REGION_PLURAL, name)
+
+    def offload_node(self, name: str) -> dict[str, Any] | None:
+        try:
+            result: dict[str, Any] = self.custom.get_cluster_custom_object(  # type: ignore[assignment]
+                GROUP, VERSION, NODE_PLURAL, name
+            )
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return result
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """Events about an object of this name, newest last, as (reason, message) dicts."""
+        found = []
+        for namespace in (NAMESPACE, "default"):
+            for event in self.core.list_namespaced_event(namespace).items:
+                if event.involved_object.name == name:
+                    found.append({"reason": event.reason, "message": event.message})
+        return found
+
+    def phase(self, name: str) -> str | None:
+        return self.status(name).get("phase")
+
+    def condition(self, name: str, kind: str) -> dict[str, Any]:
+        for item in self.status(name).get("conditions") or ():
+            if item.get("type") == kind:
+                return dict(item)
+        return {}
+
+    def wait_phase(self, name: str, phase: str, timeout: float = 30.0) -> dict[str, Any]:
+        return wait_for(
+            lambda: self.status(name) if self.phase(name) == phase else None,
+            timeout,
+            f"region {name} to be {phase} (status: {self.status(name)})",
+        )
+
+    def wait_gone(self, name: str, timeout: float = 30.0) -> None:
+        wait_for(lambda: self.region(name) is None, timeout, f"region {name} to be deleted")
+
+
+class Agent:
+    """A real kvshm-agent process for one (fake) node, rooted on a real tmpfs directory."""
+
+    def __init__(self, node: str, root: Path, kubeconfig: Path, log_dir: Path) -> None:
+        self.node = node
+        self.root = root
+        self.kubeconfig = kubeconfig
+        self.log = log_dir / f"agent-{node}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Agent:
+        self.root.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable, "-m", "kvshm.agent.cli",
+            "--kubeconfig", str(self.kubeconfig),
+            "--node-name", self.node,
+            "--root", str(self.root),
+            "--resync-seconds", "0.5",
+            "--drain-grace-seconds", "2",
+            "--no-http",
+            "--log-level", "debug",
+        ]  # fmt: skip
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self.process = None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def files(self) -> list[str]:
+        """Region files under this agent's root, relative to it."""
+        return sorted(str(p.relative_to(self.root)) for p in self.root.rglob("*.mmap"))
+
+
+@contextmanager
+def operator_in_thread(config: OperatorConfig = TEST_CONFIG) -> Iterator[KopfRunner]:
+    """The operator through kopf's own CLI and test runner (kopf.testing.KopfRunner)."""
+    env = config_environment(config)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        registry = register(kopf.OperatorRegistry(), config)
+        args = ["run", "--standalone", "--all-namespaces", "-m", "kvshm.operator"]
+        with KopfRunner(args, registry=registry, timeout=60) as runner:
+            yield runner
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class OperatorProcess:
+    """`python -m kvshm.operator` as a separate process: can be killed like a real pod."""
+
+    def __init__(self, kubeconfig: Path, log_dir: Path, config: OperatorConfig = TEST_CONFIG):
+        self.env = {**os.environ, **config_environment(config), "KUBECONFIG": str(kubeconfig)}
+        self.log = log_dir / "operator.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> OperatorProcess:
+        command = [sys.executable, "-m", "kvshm.operator", "--liveness", "none"]
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                command, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        return self
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@asynccontextmanager
+async def operator_in_loop(
+    config: OperatorConfig = TEST_CONFIG,
+) -> AsyncIterator[asyncio.Task[None]]:
+    """The operator embedded in the caller's event loop (kopf.operator as a task)."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        kopf.operator(
+            registry=register(kopf.OperatorRegistry(), config),
+            memo=kopf.Memo(config=config),
+            clusterwide=True,
+            standalone=True,
+            stop_flag=stop,
+        )
+    )
+    try:
+        yield task
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=30)
+
+
+HOLDER = """
+import os, sys, time
+from kvshm.region import SharedOffloadRegion
+directory, instance = sys.argv[1], sys.argv[2]
+os.makedirs(directory, mode=0o700, exist_ok=True)
+region = SharedOffloadRegion(instance, 16 * 65536, 16, None, 1, 65536, directory=directory,
+                             mode=sys.argv[3], populate=False, unlink_on_cleanup=False)
+print("holding", flush=True)
+time.sleep(3600)
+"""
+
+
+class Holder:
+    """A process that creates or attaches a region file and holds it (kvshm's shared flock),
+    as a serving pod does, until it is killed."""
+
+    def __init__(self, directory: Path, instance: str, mode: str = "create_or_attach") -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(directory), instance, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline().decode()
+        assert line.strip() == "holding", f"holder failed: {line}{self.process.stdout.read()!r}"
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)

@@ -1,0 +1,276 @@
+"""The operator in kopf's runtime, against the API emulator, beside two real agents on tmpfs.
+
+Each test drives the whole loop: a region is applied, the agents make real files and report,
+the operator aggregates, decides and releases. Timings come from harness.TEST_CONFIG.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+from kvshm.operator.metrics import sample
+from tests.operator.harness import (
+    NAMESPACE,
+    TEST_CONFIG,
+    Agent,
+    Cluster,
+    Holder,
+    OperatorProcess,
+    operator_in_loop,
+    operator_in_thread,
+    wait_for,
+)
+
+GRACE = TEST_CONFIG.orphan_grace_seconds
+
+
+def region_file(name: str) -> str:
+    return f"{NAMESPACE}/{name}/vllm_offload_{name}.mmap"
+
+
+def inventory(cluster: Cluster, node: str) -> dict[str, dict]:  # type: ignore[type-arg]
+    status = (cluster.offload_node(node) or {}).get("status") or {}
+    return {entry["path"]: entry for entry in status.get("files") or ()}
+
+
+def requested(cluster: Cluster, node: str) -> set[str]:
+    spec = (cluster.offload_node(node) or {}).get("spec") or {}
+    return {entry["path"] for entry in spec.get("reclaims") or ()}
+
+
+def test_apply_makes_files_on_both_nodes_and_ready(
+    cluster: Cluster, agents: dict[str, Agent]
+) -> None:
+    with operator_in_thread():
+        cluster.create_region("r1")
+        status = cluster.wait_phase("r1", "Ready")
+        assert (status["nodesReady"], status["nodesWanted"]) == (2, 2)
+        assert status["sizeBytes"] == 16 * 65536
+        assert status["observedGeneration"] == 1
+        assert cluster.condition("r1", "Ready")["status"] == "True"
+        region = cluster.region("r1")
+        assert region is not None
+        assert region["metadata"]["finalizers"] == ["kvshm.dev/operator"]
+        assert any(event["reason"] == "Ready" for event in cluster.events("r1"))
+    for agent in agents.values():
+        assert agent.files() == [region_file("r1")]
+
+
+async def test_invalid_specs_get_a_clear_condition_and_no_files(
+    cluster: Cluster, agents: dict[str, Agent]
+) -> None:
+    """In-loop: kopf.operator() as a task of this test's event loop."""
+    invalid = {
+        "ghost": ({"placement": {"nodeNames": ["node-ghost"]}}, "UnknownNode", "node-ghost"),
+        "nomatch": (
+            {"placement": {"nodeSelector": {"kvshm.dev/pool": "cpu"}}},
+            "NoMatchingNode",
+            "label a node",
+        ),
+        # 64 MiB roots: 2 GiB fits on no node
+        "huge": (
+            {"layout": {"numBlocks": 32768, "cpuPageSize": 65536}},
+            "InsufficientCapacity",
+            "numBlocks",
+        ),
+    }
+    async with operator_in_loop():
+        for name, (spec, _, _) in invalid.items():
+            await asyncio.to_thread(cluster.create_region, name, **spec)
+        for name, (_, reason, hint) in invalid.items():
+            await asyncio.to_thread(cluster.wait_phase, name, "Failed")
+            accepted = await asyncio.to_thread(cluster.condition, name, "Accepted")
+            assert (accepted["status"], accepted["reason"]) == ("False", reason)
+            assert hint in accepted["message"]
+            await asyncio.to_thread(
+                wait_for,
+                lambda name=name, reason=reason, hint=hint: any(
+                    e["reason"] == reason and hint in e["message"] for e in cluster.events(name)
+                ),
+                10,
+                f"a {reason} Event for {name} (events: {cluster.events(name)})",
+            )
+        await asyncio.sleep(2)  # time enough for an agent to have acted, were it going to
+    for agent in agents.values():
+        assert agent.files() == []
+    for name in ("ghost", "nomatch"):
+        assert "nodes" not in cluster.status(name)  # no agent took these regions
+
+
+def test_delete_waits_for_the_drain_then_files_are_gone_then_the_finalizer(
+    cluster: Cluster, agents: dict[str, Agent]
+) -> None:
+    with operator_in_thread():
+        cluster.create_region("r1")
+        cluster.wait_phase("r1", "Ready")
+        # a serving process still attached on node-a: its agent drains for the grace period
+        holder = Holder(agents["node-a"].root / NAMESPACE / "r1", "r1", mode="attach")
+        try:
+            cluster.delete_region("r1")
+            cluster.wait_phase("r1", "Terminating")
+            draining = wait_for(
+                lambda: (
+                    cluster.condition("r1", "Drained").get("reason") == "Draining"
+                    and cluster.condition("r1", "Drained")
+                ),
+                10,
+                "the Drained condition to name the draining node",
+            )
+            assert draining["status"] == "False" and "node-a" in draining["message"]
+            assert cluster.region("r1") is not None  # the finalizer holds it
+            assert agents["node-a"].files() == [region_file("r1")]
+            cluster.wait_gone("r1")
+        finally:
+            holder.kill()
+        for agent in agents.values():
+            assert agent.files() == []
+
+
+def test_retain_releases_at_once_and_keeps_the_files_unreclaimed(
+    cluster: Cluster, agents: dict[str, Agent]
+) -> None:
+    with operator_in_thread():
+        cluster.create_region("kept", reclaimPolicy="Retain")
+        cluster.wait_phase("kept", "Ready")
+        cluster.delete_region("kept")
+        cluster.wait_gone("kept", timeout=10)
+        path = region_file("kept")
+        for node in agents:
+            wait_for(
+                lambda node=node: inventory(cluster, node).get(path, {}).get("claimedBy") == "",
+                10,
+                f"{node}'s inventory to list {path} as unclaimed",
+            )
+            spec = (cluster.offload_node(node) or {}).get("spec") or {}
+            assert [entry["path"] for entry in spec.get("retained", [])] == [path]
+        time.sleep(GRACE + 3)  # well past the orphan grace period
+        for node, agent in agents.items():
+            assert agent.files() == [path]
+            assert path not in requested(cluster, node)
+
+
+def test_an_orphan_of_a_killed_process_is_reclaimed_after_the_grace_period_not_before(
+    cluster: Cluster, agents: dict[str, Agent]
+) -> None:
+    node, agent = "node-a", agents["node-a"]
+    path = f"{NAMESPACE}/ghost/vllm_offload_ghost.mmap"
+    requested_before = sample("kvshm_operator_reclaims_requested_total")
+    completed_before = sample("kvshm_operator_reclaims_completed_total")
+    with operator_in_thread():
+        Holder(agent.root / NAMESPACE / "ghost", "ghost").kill()  # created, then killed
+        wait_for(
+            lambda: inventory(cluster, node).get(path, {}).get("held") is False,
+            10,
+            "the agent to list the file as not held",
+        )
+        seen = time.monotonic()
+        while time.monotonic() < seen + GRACE - 0.5:  # not before the grace period
+            assert agent.files() == [path]
+            assert path not in requested(cluster, node)
+            time.sleep(0.1)
+        wait_for(lambda: agent.files() == [], GRACE + 10, "the orphan to be reclaimed")
+        reclaimed = time.monotonic() - seen
+        assert GRACE - 0.5 <= reclaimed <= GRACE + 10
+        wait_for(lambda: not requested(cluster, node), 10, "the answered request to be closed")
+        reasons = {event["reason"] for event in cluster.events(node)}
+        assert {"ReclaimRequested", "Reclaimed"} <= reasons
+    assert sample("kvshm_operator_reclaims_requested_total") - requested_before == 1
+    assert sample("kvshm_operator_reclaims_completed_total") - completed_before == 1
+
+
+def test_a_held_file_is_never_reclaimed(cluster: Cluster, agents: dict[str, Agent]) -> None:
+    node, agent = "node-b", agents["node-b"]
+    path = f"{NAMESPACE}/stray/vllm_offload_stray.mmap"
+    refused_before = sample("kvshm_operator_decisions_refused_total", {"reason": "held"})
+    holder = Holder(agent.root / NAMESPACE / "stray", "stray")  # no region claims it
+    try:
+        with operator_in_thread():
+            wait_for(lambda: path in inventory(cluster, node), 10, "the file in the inventory")
+            assert inventory(cluster, node)[path]["held"] is True
+            deadline = time.monotonic() + GRACE + 3  # past the grace period
+            while time.monotonic() < deadline:
+                assert path not in requested(cluster, node)
+                time.sleep(0.2)
+            assert agent.files() == [path]
+    finally:
+        holder.kill()
+    assert sample("kvshm_operator_decisions_refused_total", {"reason": "held"}) > refused_before
+
+
+def test_an_operator_killed_mid_deletion_finishes_the_job_after_a_restart(
+    cluster: Cluster, agents: dict[str, Agent], tmp_path: object
+) -> None:
+    from pathlib import Path
+
+    operator = OperatorProcess(cluster.kubeconfig, Path(str(tmp_path))).start()
+    try:
+        cluster.create_region("r1")
+        cluster.wait_phase("r1", "Ready", timeout=60)
+        holder = Holder(agents["node-a"].root / NAMESPACE / "r1", "r1", mode="attach")
+        cluster.delete_region("r1")
+        cluster.wait_phase("r1", "Terminating")
+        operator.kill()  # SIGKILL: no clean-up, the finalizer stays
+        holder.kill()
+        for node in agents:
+            wait_for(
+                lambda node=node: cluster.status("r1")["nodes"][node]["phase"] == "Removed",
+                20,
+                f"{node} to remove its files",
+            )
+        time.sleep(1)
+        assert cluster.region("r1") is not None, "released without an operator"
+        operator.start()
+        cluster.wait_gone("r1", timeout=60)
+    except BaseException:
+        print(operator.output()[-6000:])
+        raise
+    finally:
+        operator.kill()
+    for agent in agents.values():
+        assert agent.files() == []
+
+
+def test_a_silent_agent_degrades_the_region_with_a_reason(
+    cluster: Cluster, agents: dict[str, Agent]
+) -> None:
+    with operator_in_thread():
+        cluster.create_region("r1")
+        cluster.wait_phase("r1", "Ready")
+        process = agents["node-b"].process
+        assert process is not None
+        process.send_signal(signal.SIGSTOP)
+        try:
+            cluster.wait_phase("r1", "Degraded", timeout=TEST_CONFIG.agent_silence_seconds + 10)
+            degraded = cluster.condition("r1", "Degraded")
+            assert (degraded["status"], degraded["reason"]) == ("True", "AgentSilent")
+            assert "node-b" in degraded["message"] and "silent" in degraded["message"]
+            assert any(e["reason"] == "Degraded" for e in cluster.events("r1"))
+        finally:
+            process.send_signal(signal.SIGCONT)
+        cluster.wait_phase("r1", "Ready", timeout=20)
+
+
+def test_a_gone_node_loses_its_offload_node_and_its_place_in_region_status(
+    cluster: Cluster, agents: dict[str, Agent]
+) -> None:
+    with operator_in_thread():
+        cluster.create_region("r1")
+        cluster.wait_phase("r1", "Ready")
+        agents["node-b"].stop(signal.SIGKILL)
+        cluster.delete_node("node-b")
+        wait_for(
+            lambda: cluster.offload_node("node-b") is None,
+            TEST_CONFIG.agent_silence_seconds + 15,
+            "the OffloadNode of the gone node to be removed",
+        )
+        status = wait_for(
+            lambda: (
+                "node-b" not in (cluster.status("r1").get("nodes") or {}) and cluster.status("r1")
+            ),
+            10,
+            "node-b to leave the region's status",
+        )
+        assert (status["phase"], status["nodesReady"], status["nodesWanted"]) == ("Ready", 1, 1)
+        assert any(e["reason"] == "NodeGone" for e in cluster.events("r1"))
