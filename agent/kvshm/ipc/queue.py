@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from kvshm.ipc.codec import (
     CONTINUATION,
@@ -25,6 +25,16 @@ from kvshm.ipc.writer import DeadReaderAction, RingWriter
 
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_CHUNKS = 16
+Role = TypeVar("Role", RingWriter, RingReader)
+
+
+def _role_or_close(ring: ShmRingBuffer, make: Callable[[], Role]) -> Role:
+    """The role, or (if taking it fails) the ring closed again before the error goes on."""
+    try:
+        return make()
+    except BaseException:
+        ring.close()
+        raise
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -62,11 +72,9 @@ class MessageQueue:
             file_mode=file_mode,
             owner=owner,
         )
-        try:
-            writer = RingWriter(ring, wait_policy, on_dead_reader=on_dead_reader)
-        except BaseException:
-            ring.close()
-            raise
+        writer = _role_or_close(
+            ring, lambda: RingWriter(ring, wait_policy, on_dead_reader=on_dead_reader)
+        )
         self._setup(ring, writer, oob_threshold, unlink=True)
 
     def _setup(
@@ -81,18 +89,34 @@ class MessageQueue:
         self._closed = False
 
     @classmethod
-    def _with_role(
+    def writer_of(
         cls,
         ring: ShmRingBuffer,
-        make_role: Callable[[ShmRingBuffer], RingWriter | RingReader],
-        unlink: bool = False,
+        *,
+        wait_policy: WaitPolicy | None = None,
+        on_dead_reader: DeadReaderAction = "raise",
+        remove_on_close: bool | None = None,
+        oob_threshold: int = OOB_THRESHOLD,
     ) -> MessageQueue:
+        """The writer's end over an open ring; the queue takes the ring over and closes it.
+        remove_on_close=None removes the file if this process created it."""
+        writer = _role_or_close(
+            ring, lambda: RingWriter(ring, wait_policy, on_dead_reader=on_dead_reader)
+        )
         queue = cls.__new__(cls)
-        try:
-            queue._setup(ring, make_role(ring), OOB_THRESHOLD, unlink)
-        except BaseException:
-            ring.close(unlink=False)
-            raise
+        unlink = ring.is_creator if remove_on_close is None else remove_on_close
+        queue._setup(ring, writer, oob_threshold, unlink)
+        return queue
+
+    @classmethod
+    def reader_of(
+        cls, ring: ShmRingBuffer, rank: int | None = None, *, wait_policy: WaitPolicy | None = None
+    ) -> MessageQueue:
+        """A reader's end over an open ring (slot `rank`, or the first free one); the queue
+        takes the ring over and closes it."""
+        reader = _role_or_close(ring, lambda: RingReader(ring, rank, wait_policy))
+        queue = cls.__new__(cls)
+        queue._setup(ring, reader, OOB_THRESHOLD, unlink=False)
         return queue
 
     @classmethod
@@ -105,8 +129,7 @@ class MessageQueue:
         attach_timeout: float = DEFAULT_ATTACH_TIMEOUT_SECONDS,
     ) -> MessageQueue:
         """A reader, from the writer's export_handle(). rank=None takes the first free slot."""
-        ring = handle.attach(attach_timeout)
-        return cls._with_role(ring, lambda ring: RingReader(ring, rank, wait_policy))
+        return cls.reader_of(handle.attach(attach_timeout), rank, wait_policy=wait_policy)
 
     @classmethod
     def attach(
@@ -121,7 +144,7 @@ class MessageQueue:
 
         Also how a replacement reader re-joins: attach with the dead reader's rank."""
         ring = ShmRingBuffer.attach(path, attach_timeout)
-        return cls._with_role(ring, lambda ring: RingReader(ring, rank, wait_policy))
+        return cls.reader_of(ring, rank, wait_policy=wait_policy)
 
     @classmethod
     def resume_writer(
@@ -138,11 +161,11 @@ class MessageQueue:
         Readers stay attached and joined; the new writer continues where the old one stopped.
         A message the old writer left half-sent is dropped by the readers, never returned.
         """
-        ring = ShmRingBuffer.attach(path, attach_timeout)
-        return cls._with_role(
-            ring,
-            lambda ring: RingWriter(ring, wait_policy, on_dead_reader=on_dead_reader),
-            unlink=remove_on_close,
+        return cls.writer_of(
+            ShmRingBuffer.attach(path, attach_timeout),
+            wait_policy=wait_policy,
+            on_dead_reader=on_dead_reader,
+            remove_on_close=remove_on_close,
         )
 
     # -- identity ----------------------------------------------------------------------------
