@@ -211,7 +211,7 @@ def test_a_restarted_writer_resumes_the_ring(ring_dir: str) -> None:
     reader = MessageQueue.attach(first.path, wait_policy=QUICK)
     first.wait_until_ready(timeout=1)
     first.enqueue("from the first writer")
-    first._require_writer().close()  # the agent dies (gives up the writer role); its file stays
+    first._require_writer()._release_role()  # the agent dies: its lock goes, its file stays
     second = MessageQueue.resume_writer(first.path, wait_policy=QUICK, remove_on_close=True)
     second.enqueue({"agent": "restarted"})
     assert reader.dequeue(timeout=1) == "from the first writer"
@@ -219,3 +219,37 @@ def test_a_restarted_writer_resumes_the_ring(ring_dir: str) -> None:
     reader.close()
     first._ring.close(unlink=False)
     second.close()
+
+
+class OnlyTheWriterKnows:
+    """Unpickling finds a class that no longer is what it was when pickled."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (_fails_to_rebuild, ("gone",))
+
+
+def _fails_to_rebuild(why: str) -> None:
+    raise LookupError(f"cannot rebuild: {why}")
+
+
+def test_an_unpicklable_object_sends_nothing_and_the_queue_goes_on(queue: MessageQueue) -> None:
+    (reader,) = readers_of(queue, 1)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        queue.enqueue(lambda: None)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        queue.enqueue([b"x" * 70_000, lambda: None])  # fails in the overflow path too
+    queue.enqueue("after")
+    assert reader.dequeue(timeout=1) == "after"
+    reader.close()
+
+
+def test_a_message_that_cannot_be_unpickled_is_consumed_and_reported(
+    queue: MessageQueue,
+) -> None:
+    (reader,) = readers_of(queue, 1)
+    queue.enqueue(OnlyTheWriterKnows())
+    queue.enqueue("next")
+    with pytest.raises(LookupError, match="cannot rebuild"):
+        reader.dequeue(timeout=1)
+    assert reader.dequeue(timeout=1) == "next"
+    reader.close()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import stat
@@ -181,6 +182,15 @@ def test_roles_are_exclusive(ring_dir: str) -> None:
             role.close()
 
 
+def test_a_forgotten_role_frees_its_slot_when_collected(ring_dir: str) -> None:
+    with ShmRingBuffer(1, 256, 2, directory=ring_dir) as ring:
+        RingReader(ring, 0, QUICK)  # dropped at once
+        RingWriter(ring, QUICK)
+        gc.collect()
+        RingReader(ring, 0, QUICK).close()
+        RingWriter(ring, QUICK).close()
+
+
 def fill(writer: RingWriter, count: int) -> None:
     for index in range(count):
         send(writer, bytes([index]))
@@ -204,8 +214,7 @@ def joined(
 
 def die(role: RingReader | RingWriter) -> None:
     """What the kernel does when a role's process dies: its lock goes, nothing else."""
-    os.close(role._lock_fd)
-    role._closed = True
+    role._release_role()
 
 
 def test_a_reader_that_leaves_stops_blocking_the_writer(ring_dir: str) -> None:

@@ -33,10 +33,6 @@ def try_lock_byte(fd: int, offset: int) -> bool:
     return True
 
 
-def unlock_byte(fd: int, offset: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _request(fcntl.F_UNLCK, offset))
-
-
 def byte_is_locked(fd: int, offset: int) -> bool:
     """Whether an open file description other than `fd`'s holds a lock on the byte."""
     answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _request(fcntl.F_WRLCK, offset))

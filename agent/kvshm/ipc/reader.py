@@ -4,6 +4,7 @@ detection."""
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 
 from kvshm.ipc.errors import (
@@ -13,7 +14,7 @@ from kvshm.ipc.errors import (
     WriterDiedError,
 )
 from kvshm.ipc.fence import load_fence, store_fence
-from kvshm.ipc.locks import byte_is_locked, try_lock_byte, unlock_byte
+from kvshm.ipc.locks import byte_is_locked, try_lock_byte
 from kvshm.ipc.registry import JOIN, LEAVE
 from kvshm.ipc.ring import ShmRingBuffer
 from kvshm.ipc.waiting import CancelEvent, Waiter, WaitPolicy
@@ -40,13 +41,14 @@ class RingReader:
         except BaseException:
             os.close(self._lock_fd)
             raise
+        # closing the descriptor drops the lock: on close(), on collection, or at exit
+        self._release_role = weakref.finalize(self, os.close, self._lock_fd)
         registry.record_reader(self.rank)
         self._me = 1 + self.rank
         self._chunks = ring.chunks
         self._flags = ring.flags
         self._index = 0
         self._joined = False
-        self._closed = False
         self._generation = self._post(JOIN)
 
     @property
@@ -199,9 +201,6 @@ class RingReader:
 
     def close(self) -> None:
         """Leave the ring: the writer stops waiting for this slot. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._post(LEAVE)
-        unlock_byte(self._lock_fd, self._registry.reader_lock_offset(self.rank))
-        os.close(self._lock_fd)
+        if self._release_role.alive:
+            self._post(LEAVE)
+            self._release_role()

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Literal
 
 from kvshm.ipc.errors import ReaderDiedError, RingConfigError, RoleBusyError
 from kvshm.ipc.fence import copy_fence, load_fence, store_fence
-from kvshm.ipc.locks import byte_is_locked, try_lock_byte, unlock_byte
+from kvshm.ipc.locks import byte_is_locked, try_lock_byte
 from kvshm.ipc.registry import JOIN
 from kvshm.ipc.ring import ShmRingBuffer
 from kvshm.ipc.waiting import CancelEvent, Waiter, WaitPolicy
@@ -50,6 +51,8 @@ class RingWriter:
                 f"ring {ring.path} already has a writer ({registry.writer_identity()}); a ring "
                 f"has one writer at a time: stop that one first, or use another ring"
             )
+        # closing the descriptor drops the lock: on close(), on collection, or at exit
+        self._release_role = weakref.finalize(self, os.close, self._lock_fd)
         self._index = registry.writer_cursor[0] % ring.max_chunks
         registry.record_writer()
         self._chunks = ring.chunks
@@ -60,7 +63,6 @@ class RingWriter:
         self._acked = registry.acks.tobytes()
         self._all_read = b"\x01" * ring.n_reader
         self._fresh = self._fresh_read_flags()
-        self._closed = False
         self._serve_requests()
 
     @property
@@ -195,8 +197,4 @@ class RingWriter:
 
     def close(self) -> None:
         """Give up the writer role (a new writer may then resume the ring). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        unlock_byte(self._lock_fd, self._registry.writer_lock_offset)
-        os.close(self._lock_fd)
+        self._release_role()
