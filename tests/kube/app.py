@@ -123,6 +123,10 @@ class KubeApiHandler(kmock.RawHandler):
                 deleted = store.delete_collection(rtype, namespace, matches)
                 return aiohttp.web.json_response(self._list_body(rtype, deleted, {}))
         else:
+            if method == "GET" and query.get("watch") in ("true", "1") and not target.subresource:
+                # the old single-object form: a watch with fieldSelector=metadata.name=<name>
+                named = {**query, "fieldSelector": f"metadata.name={target.name}"}
+                return await self._watch(raw, rtype, namespace, named)
             if method == "GET" and target.subresource in (None, "status"):
                 obj = store.get(rtype, namespace, target.name)
                 return aiohttp.web.json_response(obj)

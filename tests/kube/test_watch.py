@@ -199,3 +199,21 @@ def test_dropping_watches_ends_open_streams(kube_api: KubeApi) -> None:
             break
         ended.wait(0.05)
     assert ended.wait(5)
+
+
+def test_a_watch_can_follow_one_object(kube_api: KubeApi) -> None:
+    mark = int(create(kube_api, "a")["metadata"]["resourceVersion"])
+    create(kube_api, "b")
+    patch(kube_api, "a", {"spec": {"lock": False}})
+    patch(kube_api, "b", {"spec": {"lock": False}})
+    by_selector = watch(kube_api, str(mark), field_selector="metadata.name=a")
+    assert [(kind, name) for kind, name, _ in by_selector] == [("MODIFIED", "a")]
+    url = (
+        f"{kube_api.url}/apis/{GROUP}/{VERSION}/namespaces/default/{REGIONS}/a"
+        f"?watch=true&resourceVersion={mark}&timeoutSeconds=1"
+    )
+    with urllib.request.urlopen(url, timeout=10) as response:
+        lines = [json.loads(line) for line in response.read().splitlines() if line]
+    assert [(line["type"], line["object"]["metadata"]["name"]) for line in lines] == [
+        ("MODIFIED", "a")
+    ]
