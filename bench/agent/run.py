@@ -44,7 +44,13 @@ GIB = 1024**3
 
 
 class _NoNotifier:
+    def prepare(self, region_dir: object, region: object) -> None:
+        pass
+
     def publish(self, region_dir: object, event: object) -> None:
+        pass
+
+    def close(self, key: str) -> None:
         pass
 
     def file_names(self, region_dir: object) -> list[str]:

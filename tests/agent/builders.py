@@ -68,6 +68,14 @@ class RecordingNotifier:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, DrainEvent]] = []
+        self.prepared: list[str] = []
+        self.closed: list[str] = []
+
+    def prepare(self, region_dir: RegionDir, region: OffloadRegion) -> None:
+        self.prepared.append(region.key)
+
+    def close(self, key: str) -> None:
+        self.closed.append(key)
 
     def publish(self, region_dir: RegionDir, event: DrainEvent) -> None:
         self.events.append((region_dir.key, event))

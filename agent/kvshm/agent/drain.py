@@ -47,9 +47,17 @@ class DrainEvent:
 
 
 class DrainNotifier(Protocol):
-    """Delivers drain events to the processes attached to a region."""
+    """Delivers drain events to the processes attached to a region (kvshm.agent.notify)."""
+
+    def prepare(self, region_dir: RegionDir, region: OffloadRegion) -> None:
+        """Set up the region's channel when the agent opens the region (workers join it)."""
+        ...
 
     def publish(self, region_dir: RegionDir, event: DrainEvent) -> None: ...
+
+    def close(self, key: str) -> None:
+        """Let go of the region's channel before its files are removed."""
+        ...
 
     def file_names(self, region_dir: RegionDir) -> list[str]:
         """The notifier's own files in the region directory, removed along with the region."""
@@ -167,6 +175,7 @@ class Drainer:
             pass
         except UnsafePathError as exc:
             leftovers.append(str(exc))
+        self._notifier.close(region.key)
         for name in self._notifier.file_names(region_dir):
             problem = region_dir.unlink_regular(name)
             if problem:

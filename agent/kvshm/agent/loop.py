@@ -80,8 +80,8 @@ class AgentLoop:
 
     def run_pass(self) -> PassResult:
         result = self.reconciler.reconcile(self.source.view())
+        self.metrics.observe(result)  # first: what a status line says is already scrapable
         self.sink.publish(result)
-        self.metrics.observe(result)
         self.health.passed()
         return result
 

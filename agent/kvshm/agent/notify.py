@@ -1,26 +1,102 @@
-"""How drain events reach the workers attached to a region.
+"""Drain events to the workers attached to a region: a kvshm.ipc MessageQueue per region.
 
-PROVISIONAL: kvshm.ipc (the queue in the region directory) is not in the tree yet, so for now
-drain events are only logged; the holder probe and the grace period still decide removal.
+The queue is a ring file named `kvshm_events` in the region's directory, so a serving pod that
+mounts the directory at /dev/shm attaches by path (MessageQueue.attach("/dev/shm/kvshm_events"))
+and dequeues plain dicts (see docs/agent.md). The agent is its only writer: it creates the ring
+when it opens the region, resumes writing after a restart, and enqueues a drain event when the
+region leaves the node. It never reads from the ring, so nothing a tenant writes into the file
+is ever unpickled by the agent; a broken or busy ring costs the event, never the drain (holder
+probe and grace period still decide removal).
 """
 
 from __future__ import annotations
 
 import logging
 
-from kvshm.agent.drain import DrainEvent, DrainNotifier
+from kvshm.agent.drain import DrainEvent
 from kvshm.agent.saferoot import RegionDir
+from kvshm.api import OffloadRegion
+from kvshm.ipc import IpcError, MessageQueue, WaitPolicy
 
 log = logging.getLogger(__name__)
 
+EVENTS_RING = "kvshm_events"
+CHUNK_BYTES = 4096
+CHUNKS = 8
+MAX_READERS = 256
+ENQUEUE_TIMEOUT_SECONDS = 1.0
+# the agent's loop is a busy Python process: never spin holding the GIL
+_WAITS = WaitPolicy(spin_seconds=0.0, max_sleep_seconds=0.01)
 
-class LogNotifier:
+
+def reader_slots(region: OffloadRegion) -> int:
+    """Two per worker: an engine restarting beside the old one still finds slots."""
+    return min(MAX_READERS, 2 * region.layout.num_workers)
+
+
+class RegionEventQueues:
+    """The agent's writer end of every region's event queue, by region key."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, MessageQueue] = {}
+
+    def prepare(self, region_dir: RegionDir, region: OffloadRegion) -> None:
+        """Create the region's queue, or take over writing an existing one (agent restart)."""
+        if region.key in self._queues:
+            return
+        try:
+            if region_dir.lstat(EVENTS_RING) is None:
+                queue = MessageQueue(
+                    reader_slots(region),
+                    CHUNK_BYTES,
+                    CHUNKS,
+                    name=EVENTS_RING,
+                    directory=region_dir.fd_path,
+                    file_mode=region.access.mode,
+                    owner=(region.access.uid, region.access.gid),
+                    wait_policy=_WAITS,
+                    on_dead_reader="evict",
+                )
+            else:
+                queue = self._resume(region_dir)
+        except (IpcError, OSError, ValueError) as exc:
+            log.warning(
+                "region %s: no event queue (%s); drains go on without events", region.key, exc
+            )
+            return
+        self._queues[region.key] = queue
+
+    @staticmethod
+    def _resume(region_dir: RegionDir) -> MessageQueue:
+        return MessageQueue.resume_writer(
+            f"{region_dir.fd_path}/{EVENTS_RING}",
+            wait_policy=_WAITS,
+            on_dead_reader="evict",
+            attach_timeout=ENQUEUE_TIMEOUT_SECONDS,
+        )
+
     def publish(self, region_dir: RegionDir, event: DrainEvent) -> None:
-        log.info("drain %s: %s", region_dir.key, event.to_message())
+        key = region_dir.key
+        try:
+            queue = self._queues.get(key)
+            if queue is None and region_dir.lstat(EVENTS_RING) is not None:
+                queue = self._queues[key] = self._resume(region_dir)
+            if queue is not None:
+                queue.enqueue(event.to_message(), timeout=ENQUEUE_TIMEOUT_SECONDS)
+        except (IpcError, OSError, ValueError) as exc:
+            log.warning("region %s: drain event not delivered (%s)", key, exc)
+
+    def close(self, key: str) -> None:
+        queue = self._queues.pop(key, None)
+        if queue is not None:
+            try:
+                queue.close()
+            except (IpcError, OSError) as exc:
+                log.warning("region %s: closing its event queue: %s", key, exc)
 
     def file_names(self, region_dir: RegionDir) -> list[str]:
-        return []
+        return [EVENTS_RING]
 
 
-def build_notifier() -> DrainNotifier:
-    return LogNotifier()
+def build_notifier() -> RegionEventQueues:
+    return RegionEventQueues()

@@ -105,6 +105,7 @@ class NodeReconciler:
         self._counters = counters or NoCounters()
         self._wake = wake
         self._clock = clock
+        self._notifier = notifier
         self._drainer = Drainer(root, self._holds, notifier, settings.drain_grace_seconds, clock)
         self._inventory = InventoryScanner(root, self._holds, settings.reserve_bytes)
         self._reclaimer = Reclaimer(root, self._holds)
@@ -131,7 +132,7 @@ class NodeReconciler:
             if key not in view.invalid:
                 self._ensure(desired[key])
         reclaims = self._execute_reclaims(view)
-        busy = any(h.busy for h in self._hosted.values()) or bool(self._drains)
+        busy = any(self._unsettled(h) for h in self._hosted.values()) or bool(self._drains)
         return PassResult(
             reports=self._reports(view, desired),
             events=self._events,
@@ -141,6 +142,14 @@ class NodeReconciler:
             busy=busy,
             settled=not busy,
         )
+
+    def _unsettled(self, hosted: HostedRegion) -> bool:
+        """Still opening, or finished and not yet taken in by a pass (its Ready or Failed is
+        still to be reported)."""
+        phase = hosted.status().phase
+        if hosted.busy or phase is NodeRegionPhase.FAILED:
+            return True
+        return phase is NodeRegionPhase.READY and hosted.region.key not in self._reported_ready
 
     def seed_unclaimed_since(self, since: dict[str, datetime]) -> None:
         self._inventory.seed_unclaimed_since(since)
@@ -320,6 +329,7 @@ class NodeReconciler:
                 settings=self.settings.hosting,
                 on_done=self._wake,
             )
+            self._notifier.prepare(region_dir, region)
         self._hosted[region.key] = hosted
         hosted.start()
         verb = "adopted existing" if adopt else "created"
@@ -390,7 +400,6 @@ class NodeReconciler:
             self._counters.error(reason)
             self._event(EventReason.FAILED, region, message)
             log.warning("region %s failed: %s", region.key, message)
-        self._reported_ready.discard(region.key)
         failure = _Failure(region, reason, message)
         if previous is not None and previous.region == region:
             failure.retry_at, failure.retry_delay = previous.retry_at, previous.retry_delay
