@@ -67,3 +67,12 @@ def test_operator_options_reach_the_operator() -> None:
     assert parsed.namespace == ["serving", "batch"]
     assert parsed.orphan_dry_run is True
     assert float(parsed.orphan_grace_seconds) == 600
+
+
+def test_log_levels_reach_both_programs() -> None:
+    sets = ("agent.logLevel=debug", "operator.logLevel=warning")
+    agent = _container("DaemonSet", "-agent", sets=sets)
+    operator = _container("Deployment", "-operator", sets=sets)
+    agent_args = [a.replace("$(NODE_NAME)", "n") for a in agent["args"]]  # type: ignore[attr-defined]
+    assert build_parser().parse_args(agent_args).log_level == "debug"
+    assert parse_args(operator["args"]).log_level == "warning"  # type: ignore[arg-type]
