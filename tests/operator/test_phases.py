@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from kvshm.api import NodeRegionPhase, RegionPhase
 from kvshm.operator.conditions import ConditionType
-from kvshm.operator.phases import derive_invalid, derive_status, status_patch
+from kvshm.operator.phases import derive_invalid, derive_status, status_patch, worth_writing
 from kvshm.operator.reports import NodeReport
 from tests.operator.builders import NOW, agent, cluster, region, reports
 
@@ -142,3 +142,17 @@ def test_status_patch_removes_entries_of_gone_nodes() -> None:
     view = cluster(["a"], [agent("a")])
     derived = derive_status(region(), reports(a="Ready", b="Ready"), view)
     assert status_patch({}, derived, NOW)["nodes"] == {"b": None}
+
+
+def test_worth_writing_any_change_but_only_reasons_while_terminating() -> None:
+    view = cluster(["a", "b"])
+    provisioning = derive_status(TWO, reports(a="Ready"), view)
+    ready = derive_status(TWO, reports(a="Ready", b="Ready"), view)
+    assert worth_writing(None, provisioning)
+    assert worth_writing(provisioning, ready) and not worth_writing(ready, ready)
+    both = derive_status(TWO, reports(a="Draining", b="Draining"), view, True)
+    one = derive_status(TWO, reports(a="Removed", b="Draining"), view, True)
+    done = derive_status(TWO, reports(a="Removed", b="Removed"), view, True)
+    assert worth_writing(ready, both)
+    assert not worth_writing(both, one)  # only the list of nodes still draining changed
+    assert worth_writing(one, done)  # Drained became True

@@ -42,7 +42,10 @@ class OperatorConfig:
     node_sweep_seconds: float = 5.0
     # Runtime.
     metrics_port: int = 9465  # 0: no /metrics endpoint (the chart's default port)
-    max_workers: int = 64  # per-object queue workers and sync-handler threads
+    # Objects handled at once: kopf keeps a worker per object while its events flow and for
+    # worker_idle_seconds after, so the bound and the idle time together cap the throughput.
+    max_workers: int = 256
+    worker_idle_seconds: float = 1.0
     watch_server_timeout_seconds: float = 300.0
     watch_client_timeout_seconds: float = 330.0
     peering_name: str = "kvshm-operator"

@@ -34,7 +34,14 @@ from kvshm.operator.nodes import (
     retained_entry,
 )
 from kvshm.operator.orphans import OrphanClock, OrphanDecision, decide_reclaims
-from kvshm.operator.phases import RegionStatus, derive_invalid, derive_status, status_patch
+from kvshm.operator.phases import (
+    ANNOUNCED_PHASES,
+    RegionStatus,
+    derive_invalid,
+    derive_status,
+    status_patch,
+    worth_writing,
+)
 from kvshm.operator.placement import Verdict, place
 from kvshm.operator.reports import (
     NodeInventory,
@@ -185,7 +192,7 @@ def _reconcile(
     key = f"{body.metadata.namespace}/{body.metadata.name}"
     metrics.TOTALS.set_region_phase(key, derived.phase)
     sent: RegionStatus | None = getattr(memo, "sent", None)
-    if not level and derived == sent:
+    if not level and not worth_writing(sent, derived):
         return
     current = body.get("status") or {}
     changes = status_patch(current, derived, cluster.now)
@@ -193,7 +200,7 @@ def _reconcile(
         patch.status.update(changes)
     memo.sent = derived
     previous = sent.phase.value if sent is not None else current.get("phase")
-    if previous != derived.phase.value:
+    if previous != derived.phase.value and derived.phase in ANNOUNCED_PHASES:
         _announce_phase(body, previous, derived)
     for node in derived.gone_nodes:
         if sent is None or node not in sent.gone_nodes:

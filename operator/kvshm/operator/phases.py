@@ -186,3 +186,28 @@ def status_patch(
     if derived.gone_nodes:
         patch["nodes"] = dict.fromkeys(derived.gone_nodes)
     return patch
+
+
+def _signature(status: RegionStatus) -> tuple[object, ...]:
+    return (
+        status.phase,
+        tuple((c.type, c.status, c.reason) for c in status.conditions),
+        status.gone_nodes,
+    )
+
+
+def worth_writing(sent: RegionStatus | None, derived: RegionStatus) -> bool:
+    """Whether derived differs enough from what was last sent to patch the object again.
+
+    Any change counts, except while terminating: there only phase and condition reasons do
+    (which node is still draining changes often, and the object is about to go).
+    """
+    if sent is None:
+        return True
+    if derived.phase is RegionPhase.TERMINATING and sent.phase is RegionPhase.TERMINATING:
+        return _signature(sent) != _signature(derived)
+    return sent != derived
+
+
+# Transitions worth an Event: where a region became usable, or stopped being usable.
+ANNOUNCED_PHASES = frozenset({RegionPhase.READY, RegionPhase.DEGRADED, RegionPhase.FAILED})

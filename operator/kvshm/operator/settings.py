@@ -8,6 +8,7 @@ from kvshm.operator.config import OperatorConfig, PeeringMode
 
 FINALIZER = "kvshm.dev/operator"
 ANNOTATION_PREFIX = "kvshm.dev"
+SYNC_THREADS = 4
 
 
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
@@ -31,8 +32,10 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     # Watch streams end on the server's side first (no half-dead connections), then reconnect.
     settings.watching.server_timeout = config.watch_server_timeout_seconds
     settings.watching.client_timeout = config.watch_client_timeout_seconds
-    # Bounded concurrency: per-object workers and threads for anything synchronous.
+    # Bounded concurrency: per-object workers (each object's events run in order in one), and a
+    # few threads for kopf's synchronous parts (every kvshm handler is async).
     settings.queueing.worker_limit = config.max_workers
-    settings.execution.max_workers = config.max_workers
+    settings.queueing.idle_timeout = config.worker_idle_seconds
+    settings.execution.max_workers = SYNC_THREADS
     settings.posting.reporting_component = "kvshm-operator"
     settings.posting.event_name_prefix = "kvshm-operator-"
