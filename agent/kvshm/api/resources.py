@@ -60,6 +60,30 @@ class NodeRegionPhase(StrEnum):
     REMOVED = "Removed"
 
 
+class ReclaimOutcome(StrEnum):
+    """An agent's answer to a reclaim the operator requested (OffloadNode status.reclaims).
+
+    The value is the metric label (done, refused_held, ...); status uses the CamelCase form.
+    """
+
+    DONE = "done"
+    REFUSED_HELD = "refused_held"
+    REFUSED_CLAIMED = "refused_claimed"
+    FAILED = "failed"
+
+    @property
+    def status_value(self) -> str:
+        return "".join(word.capitalize() for word in self.value.split("_"))
+
+    @classmethod
+    def from_status(cls, text: object) -> ReclaimOutcome:
+        """Either spelling; anything unknown reads as FAILED (not done, so never counted)."""
+        for outcome in cls:
+            if text in (outcome.value, outcome.status_value):
+                return outcome
+        return cls.FAILED
+
+
 class ReclaimPolicy(StrEnum):
     DELETE = "Delete"
     RETAIN = "Retain"
