@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from kvshm.api import NodeRegionPhase, OffloadRegion, parse_offload_region
+from kvshm.api import NodeRegionPhase, OffloadRegion, ReclaimOutcome, parse_offload_region
 from kvshm.operator.cluster import ClusterView
-from kvshm.operator.reports import InventoryFile, NodeInventory, NodeReport
+from kvshm.operator.reports import InventoryFile, NodeInventory, NodeReport, ReclaimResult
 
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 GIB = 2**30
@@ -51,8 +51,6 @@ def agent(
     results: Mapping[str, str] | None = None,
     retained: tuple[str, ...] = (),
 ) -> NodeInventory:
-    from kvshm.operator.reports import ReclaimResult, parse_outcome
-
     return NodeInventory(
         name=name,
         heartbeat=None if heartbeat_age is None else NOW - timedelta(seconds=heartbeat_age),
@@ -62,7 +60,8 @@ def agent(
         reclaim_requests={path: {"path": path, "sizeBytes": 1} for path in requests},
         retained={path: {"path": path} for path in retained},
         reclaim_results=tuple(
-            ReclaimResult(path, parse_outcome(outcome)) for path, outcome in (results or {}).items()
+            ReclaimResult(path, ReclaimOutcome.from_status(outcome))
+            for path, outcome in (results or {}).items()
         ),
     )
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from kvshm.api import NodeRegionPhase
+from kvshm.api import NodeRegionPhase, ReclaimOutcome
 from kvshm.operator.reports import (
-    ReclaimOutcome,
     parse_inventory,
     parse_node_reports,
     parse_timestamp,

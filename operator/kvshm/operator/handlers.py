@@ -16,6 +16,7 @@ import kopf
 
 from kvshm.api import (
     OffloadRegion,
+    ReclaimOutcome,
     ReclaimPolicy,
     RegionPhase,
     SpecError,
@@ -45,7 +46,6 @@ from kvshm.operator.phases import (
 from kvshm.operator.placement import Verdict, place
 from kvshm.operator.reports import (
     NodeInventory,
-    ReclaimOutcome,
     format_timestamp,
     parse_inventory,
     parse_node_reports,

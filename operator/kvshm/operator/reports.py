@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any
 
-from kvshm.api import NodeRegionPhase
+from kvshm.api import NodeRegionPhase, ReclaimOutcome
 from kvshm.region import region_file_name
 
 
@@ -96,23 +95,6 @@ class InventoryFile:
     held: bool  # a live process has it open or mapped (unknown counts as held)
 
 
-class ReclaimOutcome(StrEnum):
-    DONE = "done"
-    REFUSED_HELD = "refused_held"
-    REFUSED_CLAIMED = "refused_claimed"
-    FAILED = "failed"
-
-
-def parse_outcome(value: object) -> ReclaimOutcome:
-    """Either spelling (the CRD's Done/RefusedHeld, or done/refused_held); unknown is Failed."""
-    text = _str(value)
-    snake = "".join("_" + c.lower() if c.isupper() else c for c in text).lstrip("_")
-    try:
-        return ReclaimOutcome(snake)
-    except ValueError:
-        return ReclaimOutcome.FAILED
-
-
 @dataclass(frozen=True)
 class ReclaimResult:
     """The agent's answer to one reclaim request (an entry of status.reclaims)."""
@@ -165,7 +147,9 @@ def parse_inventory(body: Mapping[str, Any]) -> NodeInventory:
         for path, entry in _entries_by_path(status.get("files")).items()
     )
     results = tuple(
-        ReclaimResult(path, parse_outcome(entry.get("outcome")), _str(entry.get("message")))
+        ReclaimResult(
+            path, ReclaimOutcome.from_status(entry.get("outcome")), _str(entry.get("message"))
+        )
         for path, entry in _entries_by_path(status.get("reclaims")).items()
     )
     capacity = status.get("capacityBytes")
