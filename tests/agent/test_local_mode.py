@@ -195,3 +195,29 @@ def test_a_refused_mlock_leaves_the_region_ready_and_says_so(shm_dir: Path) -> N
     assert "default/unlocked  LockFailed" in done.stdout
     assert "default/unlocked  Ready  16.0 MiB" in done.stdout and "not locked" in done.stdout
     assert "IPC_LOCK" in done.stdout  # the message says what to grant
+
+
+def _without_dac_override() -> None:
+    """In the child before exec: root without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_missing_privileges_fail_the_region_with_what_to_grant(shm_dir: Path) -> None:
+    regions = shm_dir / "regions"
+    regions.mkdir()
+    write(regions, "r.yaml", manifest("owned", "team", access={"uid": 4321, "gid": 4321}))
+    for attempt in ("creating", "after a restart"):
+        done = subprocess.run(
+            agent(regions, shm_dir / "root", "--once", "--no-http"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            preexec_fn=_without_dac_override,
+        )
+        assert done.returncode == 1, f"{attempt}: {done.stdout}{done.stderr}"
+        assert "team/owned  Failed" in done.stdout, attempt
+        assert "needs CAP_DAC_OVERRIDE" in done.stdout, attempt
+        assert "Traceback" not in done.stderr, attempt

@@ -75,7 +75,9 @@ class HostedRegion:
         )
         self._shared: SharedOffloadRegion | None = None
         self._state_lock = threading.Lock()
-        self._status = HostingStatus(NodeRegionPhase.CREATING)
+        # an adopted file exists already: what is left is populating (or nothing)
+        first = NodeRegionPhase.POPULATING if adopt else NodeRegionPhase.CREATING
+        self._status = HostingStatus(first)
         self._thread = threading.Thread(
             target=self._open, name=f"kvshm-host-{region.key}", daemon=True
         )

@@ -289,12 +289,12 @@ class NodeReconciler:
         region = hosted.region
         try:
             region_dir = self.root.open_region_dir(region.namespace, region.name)
-        except UnsafePathError:
+            if region_dir is None:
+                return False
+            with region_dir:
+                st = region_dir.lstat(hosted.file_name)
+        except OSError:  # unsafe now, or unreadable: opened again, which says why
             return False
-        if region_dir is None:
-            return False
-        with region_dir:
-            st = region_dir.lstat(hosted.file_name)
         return st is not None and (st.st_dev, st.st_ino) == hosted.file_id
 
     def _apply_access(self, hosted: HostedRegion) -> None:
@@ -395,6 +395,12 @@ class NodeReconciler:
         )
 
     def _fail(self, region: OffloadRegion, reason: ErrorReason, message: str) -> None:
+        if reason is ErrorReason.PERMISSION and "capabilit" not in message:
+            message += (
+                f" (the agent, uid {os.geteuid()}, needs CAP_DAC_OVERRIDE to reach files of "
+                f"uid {region.access.uid}, and CAP_CHOWN and CAP_FOWNER to give them owner "
+                f"and mode; or run it as that uid)"
+            )
         previous = self._failures.get(region.key)
         if previous is None or previous.reason is not reason or previous.region != region:
             self._counters.error(reason)

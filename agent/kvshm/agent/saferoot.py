@@ -276,10 +276,15 @@ class RegionRoot:
                 continue
             try:
                 ns_fd = open_dir_at(self.fd, namespace, ns_path, self.device)
-                _check_agent_owned(ns_fd, ns_path)
             except FileNotFoundError:
                 continue
+            except OSError as exc:  # UnsafePathError, or EACCES without CAP_DAC_OVERRIDE
+                problem(f"{ns_path}: {exc}")
+                continue
+            try:
+                _check_agent_owned(ns_fd, ns_path)
             except UnsafePathError as exc:
+                os.close(ns_fd)
                 problem(str(exc))
                 continue
             try:
@@ -299,8 +304,8 @@ class RegionRoot:
                 fd = open_dir_at(ns_fd, name, path, self.device)
             except FileNotFoundError:
                 continue
-            except UnsafePathError as exc:
-                problem(str(exc))
+            except OSError as exc:
+                problem(str(exc) if isinstance(exc, UnsafePathError) else f"{path}: {exc}")
                 continue
             # the namespace descriptor belongs to walk(); the RegionDir gets its own copy
             region_dir = RegionDir(namespace, name, path, fd, os.dup(ns_fd))
