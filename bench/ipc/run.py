@@ -7,7 +7,9 @@ implementations twice: a throughput run (the writer sends as fast as it can; mes
 broadcast messages per second, each delivered to every reader, timed from the start until the
 last reader has the last message) and a latency run (the writer sends one message, then
 sleeps a gap; latency is receive time minus send time, both CLOCK_MONOTONIC, over all
-readers). Messages are (sequence, send time, bytes payload of the case's size).
+readers; the gap is the case's, or twice the slower implementation's time per message if
+that is longer, so latency never includes waiting behind earlier messages). Messages are
+(sequence, send time, bytes payload of the case's size).
 """
 
 from __future__ import annotations
@@ -184,17 +186,24 @@ class Result:
     p99_us: float
 
 
-def measure(case: Case, run: Any) -> Result:
-    elapsed, _ = run(case, case.throughput_messages, 0.0)
-    _, latencies = run(case, case.latency_messages, case.latency_gap_s)
-    latencies.sort()
-    rate = case.throughput_messages / elapsed
-    return Result(
-        rate,
-        rate * case.size,
-        statistics.median(latencies) * 1e6,
-        latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e6,
-    )
+def measure(case: Case, runs: list[Any]) -> list[Result]:
+    """Throughput of each implementation, then latency of each, paced the same for all and
+    slower than the slowest one's service time, so that no message waits behind another."""
+    rates = [case.throughput_messages / run(case, case.throughput_messages, 0.0)[0] for run in runs]
+    gap = max(case.latency_gap_s, 2.0 / min(rates))
+    results = []
+    for run, rate in zip(runs, rates, strict=True):
+        _, latencies = run(case, case.latency_messages, gap)
+        latencies.sort()
+        results.append(
+            Result(
+                rate,
+                rate * case.size,
+                statistics.median(latencies) * 1e6,
+                latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e6,
+            )
+        )
+    return results
 
 
 # (size, readers): (minimum throughput ratio, maximum p50 ratio) set by the issue
@@ -236,8 +245,7 @@ def main() -> None:
     )
     print(header)
     for case in cases:
-        base = measure(case, run_mp)
-        ours = measure(case, run_kvshm)
+        base, ours = measure(case, [run_mp, run_kvshm])
         for name, result in (("mp.Queue", base), ("kvshm", ours)):
             line = (
                 f"{case.label:>12} {name:>9} {result.messages_per_s:10.0f} "

@@ -25,6 +25,8 @@ def test_registry_follows_the_metadata_on_its_own_lines() -> None:
         layout.kinds_offset,
         layout.acks_offset,
         layout.active_offset,
+        layout.wake_offset,
+        layout.sleepers_offset,
         *(layout.reader_slot_offset(rank) for rank in range(3)),
         layout.writer_slot_offset,
         layout.trailer_offset,

@@ -25,9 +25,15 @@ AArch64 (weakly ordered): `load_fence` is `dmb ishld` (earlier loads before late
 stores), `store_fence` and `copy_fence` are `dmb ishst` (earlier stores before later stores).
 All processes of a node share one inner-shareable domain, so `ish` covers them.
 
-If executable memory is refused (a strict SELinux or seccomp policy), x86-64 falls back to
-no instruction for `copy_fence` (glibc ends its non-temporal copy loops with an sfence of its
-own) and other CPUs to a threading lock round trip, with a warning once.
+Sleeping readers add one more order, a store before a load on both sides (the "Dekker"
+pattern of an eventcount): a reader marks itself sleeping, then looks at the flags once more;
+the writer sets `written = 1`, then looks for sleeping readers to wake. x86-64 reorders a
+store with a later load (store buffer) and so does AArch64: `full_fence` is `mfence` and
+`dmb ish` there.
+
+If executable memory is refused (a strict SELinux or seccomp policy), the fences fall back to
+a threading lock round trip, with a warning once: a locked instruction on x86-64, but not
+guaranteed to be a full barrier everywhere.
 """
 
 from __future__ import annotations
@@ -44,8 +50,10 @@ log = logging.getLogger(__name__)
 Fence = Callable[[], None]
 
 _X86_SFENCE = bytes.fromhex("0faef8") + b"\xc3"  # sfence; ret
+_X86_MFENCE = bytes.fromhex("0faef0") + b"\xc3"  # mfence; ret
 _ARM_DMB_ISHLD = bytes.fromhex("bf3903d5") + bytes.fromhex("c0035fd6")  # dmb ishld; ret
 _ARM_DMB_ISHST = bytes.fromhex("bf3a03d5") + bytes.fromhex("c0035fd6")  # dmb ishst; ret
+_ARM_DMB_ISH = bytes.fromhex("bf3b03d5") + bytes.fromhex("c0035fd6")  # dmb ish; ret
 
 _PAGE = mmap.PAGESIZE
 _PROT_READ, _PROT_WRITE, _PROT_EXEC = 1, 2, 4
@@ -89,30 +97,32 @@ def _lock_round_trip_fence() -> Fence:
     return fence
 
 
-def _select() -> tuple[Fence, Fence, Fence, str]:
-    """(load_fence, store_fence, copy_fence, description) for this CPU."""
+def _select() -> tuple[Fence, Fence, Fence, Fence, str]:
+    """(load_fence, store_fence, copy_fence, full_fence, description) for this CPU."""
     machine = platform.machine().lower()
     try:
         if machine in ("x86_64", "amd64"):
-            return _no_fence, _no_fence, _machine_code_fence(_X86_SFENCE), "x86-64 TSO + sfence"
+            copy = _machine_code_fence(_X86_SFENCE)
+            full = _machine_code_fence(_X86_MFENCE)
+            return _no_fence, _no_fence, copy, full, "x86-64 TSO + sfence/mfence"
         if machine in ("aarch64", "arm64"):
             load = _machine_code_fence(_ARM_DMB_ISHLD)
             store = _machine_code_fence(_ARM_DMB_ISHST)
-            return load, store, store, "aarch64 dmb ishld / dmb ishst"
+            full = _machine_code_fence(_ARM_DMB_ISH)
+            return load, store, store, full, "aarch64 dmb ishld/ishst/ish"
     except OSError as exc:
         log.warning("kvshm.ipc: no executable page for a CPU fence (%s); using a fallback", exc)
-        if machine in ("x86_64", "amd64"):
-            return _no_fence, _no_fence, _no_fence, "x86-64 TSO (no sfence: exec page refused)"
     log.warning(
         "kvshm.ipc: no CPU fence for %r; ordering rests on a lock round trip, which is not "
         "guaranteed to be a full barrier on every CPU",
         machine,
     )
     fallback = _lock_round_trip_fence()
-    return fallback, fallback, fallback, f"{machine}: lock round trip"
+    return fallback, fallback, fallback, fallback, f"{machine}: lock round trip"
 
 
-load_fence, store_fence, copy_fence, FENCE_KIND = _select()
+load_fence, store_fence, copy_fence, full_fence, FENCE_KIND = _select()
 """load_fence: earlier loads before later loads and stores. store_fence: earlier ordinary
 stores before later stores. copy_fence: earlier stores of any kind, non-temporal included,
-before later stores. FENCE_KIND says which implementation this process uses."""
+before later stores. full_fence: earlier loads and stores before later ones, stores before
+loads included. FENCE_KIND says which implementation this process uses."""

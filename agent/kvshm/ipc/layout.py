@@ -1,11 +1,13 @@
 """Where everything lies in a ring file.
 
     [ data: max_chunks x max_chunk_bytes ][ metadata: max_chunks x (1 + n_reader) ]  (SEMANTICS §6)
-    [ registry: requests | kinds | acks | active | reader slots | writer slot ][ trailer ]
+    [ registry: requests | kinds | acks | active | wake word | sleepers | reader slots |
+      writer slot ][ trailer ]
 
 Each chunk's metadata is its written flag followed by one read flag per reader. The registry
 (kvshm's own bookkeeping: who holds which reader slot, join/leave requests and their
-acknowledgements, the writer's cursor) starts on a 64-byte line after the metadata. The
+acknowledgements, the futex word and sleeping marks that wake idle readers, the writer's
+cursor) starts on a 64-byte line after the metadata. The
 trailer, the last 64 bytes, names the geometry so that a process can attach by path alone.
 """
 
@@ -19,7 +21,7 @@ from kvshm.ipc.errors import RingConfigError, RingFormatError
 LINE = 64
 MAX_READERS = 256
 MAGIC = b"KVSHMRB1"
-VERSION = 1
+VERSION = 2
 _TRAILER = struct.Struct(">8sHHIQQ")  # magic, version, n_reader, max_chunks, chunk bytes, total
 SLOT_BYTES = LINE  # one line per slot, so slots of different readers never share a line
 
@@ -91,8 +93,18 @@ class RingLayout:
         """One byte per reader: 1 while the writer waits for that reader, else 0."""
         return self.acks_offset + _line_up(self.n_reader)
 
+    @property
+    def wake_offset(self) -> int:
+        """A 32-bit futex word the writer bumps after every publication, on its own line."""
+        return self.active_offset + _line_up(self.n_reader)
+
+    @property
+    def sleepers_offset(self) -> int:
+        """One byte per reader: 1 while it sleeps on the wake word."""
+        return self.wake_offset + LINE
+
     def reader_slot_offset(self, rank: int) -> int:
-        return self.active_offset + _line_up(self.n_reader) + rank * SLOT_BYTES
+        return self.sleepers_offset + _line_up(self.n_reader) + rank * SLOT_BYTES
 
     @property
     def writer_slot_offset(self) -> int:

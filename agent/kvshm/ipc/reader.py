@@ -4,6 +4,7 @@ detection."""
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections.abc import Callable
 
@@ -13,7 +14,8 @@ from kvshm.ipc.errors import (
     RoleBusyError,
     WriterDiedError,
 )
-from kvshm.ipc.fence import load_fence, store_fence
+from kvshm.ipc.fence import full_fence, load_fence, store_fence
+from kvshm.ipc.futex import FUTEX_AVAILABLE, futex_wait
 from kvshm.ipc.locks import byte_is_locked, try_lock_byte
 from kvshm.ipc.registry import JOIN, LEAVE
 from kvshm.ipc.ring import ShmRingBuffer
@@ -44,6 +46,7 @@ class RingReader:
         # closing the descriptor drops the lock: on close(), on collection, or at exit
         self._release_role = weakref.finalize(self, os.close, self._lock_fd)
         registry.record_reader(self.rank)
+        registry.sleepers[self.rank] = 0  # a dead predecessor may have died asleep
         self._me = 1 + self.rank
         self._chunks = ring.chunks
         self._flags = ring.flags
@@ -149,10 +152,26 @@ class RingReader:
             cancel=cancel,
             indefinite=indefinite,
             check=self._peer_check(),
+            park=self._park,
         )
         while not self._ready():
             waiter.pause()
         return self._chunks[self._index]
+
+    def _park(self, seconds: float) -> None:
+        """Sleep up to `seconds`, or until the writer publishes (see registry's docstring)."""
+        if not FUTEX_AVAILABLE:
+            time.sleep(seconds)
+            return
+        sleepers = self._registry.sleepers
+        seen = self._registry.wake_word[0]
+        sleepers[self.rank] = 1
+        full_fence()  # our mark before our last look; pairs with the writer's fence
+        try:
+            if not self._ready():
+                futex_wait(self._ring.wake_address, seen, seconds)
+        finally:
+            sleepers[self.rank] = 0
 
     def wait_until_ready(self, timeout: float | None = None) -> None:
         """Wait until the writer has carried out this reader's join (the start-up handshake)."""
@@ -160,7 +179,9 @@ class RingReader:
         def describe() -> str:
             return f"reader {self.rank} of ring {self.path} waiting for the writer to accept it"
 
-        waiter = Waiter(self._policy, describe, timeout=timeout, check=self._peer_check())
+        waiter = Waiter(
+            self._policy, describe, timeout=timeout, check=self._peer_check(), park=self._park
+        )
         while not self._poll_join():
             waiter.pause()
 

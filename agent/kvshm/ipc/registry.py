@@ -9,6 +9,11 @@ the writer writes acks, active and start positions):
   clears active[r]. Then it fences and sets acks[r] to the request's generation.
 - A joining reader waits until acks[r] equals its request, fences, and starts at start(r).
 
+Idle readers sleep on the wake word (a futex): a reader sets sleepers[r], fences, looks at
+its chunk once more and sleeps only if the wake word still holds the value it read before;
+the writer bumps the wake word after each publication, fences, and wakes the word's sleepers
+if any sleepers byte is set.
+
 Slot records hold a pid, a host name and a chunk index, little-endian; they are for messages
 and for a restarted writer (its cursor), not for liveness, which is the byte locks' job.
 """
@@ -49,11 +54,14 @@ class Registry:
         self.kinds = buffer[layout.kinds_offset : layout.kinds_offset + n]
         self.acks = buffer[layout.acks_offset : layout.acks_offset + n]
         self.active = buffer[layout.active_offset : layout.active_offset + n]
+        self.sleepers = buffer[layout.sleepers_offset : layout.sleepers_offset + n]
+        self.wake_word = buffer[layout.wake_offset : layout.wake_offset + 4].cast("I")
         cursor = layout.writer_slot_offset + 4
         self.writer_cursor = buffer[cursor : cursor + 4].cast("I")
 
     def release(self) -> None:
-        for view in (self.requests, self.kinds, self.acks, self.active, self.writer_cursor):
+        views = (self.requests, self.kinds, self.acks, self.active, self.sleepers)
+        for view in (*views, self.wake_word, self.writer_cursor):
             view.release()
 
     # -- reader slots ------------------------------------------------------------------------

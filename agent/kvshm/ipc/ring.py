@@ -17,6 +17,7 @@ from kvshm.ipc.errors import RingConfigError, RingFormatError, RingTimeout
 from kvshm.ipc.layout import LINE, RingLayout
 from kvshm.ipc.registry import Registry
 from kvshm.ipc.ringfile import DEFAULT_DIRECTORY, DEFAULT_FILE_MODE, RingFile, random_name
+from kvshm.region.memory import mapping_address
 
 DEFAULT_ATTACH_TIMEOUT_SECONDS = 10.0
 _ATTACH_POLL_SECONDS = 0.005
@@ -124,6 +125,7 @@ class ShmRingBuffer:
         ]
         self.read_flags = [view[1:] for view in self.flags]
         self.registry = Registry(buffer, layout)
+        self.wake_address = mapping_address(file.mapping) + layout.wake_offset
         views = [*self.read_flags, *self.flags, *self.chunks, buffer]
         # a creator that forgets close() still removes its file when collected or at exit
         self._finalizer = weakref.finalize(

@@ -64,7 +64,8 @@ class Waiter:
 
     pause() raises RingTimeout past the deadline and WaitCancelled once cancel is set; it
     warns every warn_interval_seconds unless the wait is indefinite, and calls
-    check(now) every liveness_interval_seconds (check raises to end the wait).
+    check(now) every liveness_interval_seconds (check raises to end the wait). After spinning
+    it sleeps through park(seconds), time.sleep unless the caller can be woken earlier.
     """
 
     __slots__ = (
@@ -74,6 +75,7 @@ class Waiter:
         "_describe",
         "_next_check",
         "_next_warning",
+        "_park",
         "_policy",
         "_sleep",
         "_spin_until",
@@ -89,6 +91,7 @@ class Waiter:
         cancel: CancelEvent | None = None,
         indefinite: bool = False,
         check: Callable[[float], None] | None = None,
+        park: Callable[[float], None] = time.sleep,
     ) -> None:
         if timeout is not None and (math.isnan(timeout) or timeout < 0):
             raise RingConfigError(f"timeout must be None or a number ≥ 0 seconds: {timeout!r}")
@@ -97,6 +100,7 @@ class Waiter:
         self._describe = describe
         self._cancel = cancel
         self._check = check
+        self._park = park
         self._started = now
         self._deadline = math.inf if timeout is None else now + timeout
         self._spin_until = now + policy.spin_seconds
@@ -119,5 +123,5 @@ class Waiter:
         if now < self._spin_until:
             os.sched_yield()
             return
-        time.sleep(min(self._sleep, max(self._deadline - now, 0.0)))
+        self._park(min(self._sleep, max(self._deadline - now, 0.0)))
         self._sleep = min(self._sleep * 2, self._policy.max_sleep_seconds)

@@ -9,7 +9,8 @@ import weakref
 from typing import Literal
 
 from kvshm.ipc.errors import ReaderDiedError, RingConfigError, RoleBusyError
-from kvshm.ipc.fence import copy_fence, load_fence, store_fence
+from kvshm.ipc.fence import copy_fence, full_fence, load_fence, store_fence
+from kvshm.ipc.futex import futex_wake_all
 from kvshm.ipc.locks import byte_is_locked, try_lock_byte
 from kvshm.ipc.registry import JOIN
 from kvshm.ipc.ring import ShmRingBuffer
@@ -59,6 +60,9 @@ class RingWriter:
         self._flags = ring.flags
         self._reads = ring.read_flags
         self._cursor = registry.writer_cursor
+        self._wake_word = registry.wake_word
+        self._sleepers = registry.sleepers
+        self._nobody_asleep = bytes(ring.n_reader)
         self._requests = registry.requests
         self._acked = registry.acks.tobytes()
         self._all_read = b"\x01" * ring.n_reader
@@ -97,6 +101,15 @@ class RingWriter:
             index = 0
         self._index = index
         self._cursor[0] = index
+        self._wake_readers()
+
+    def _wake_readers(self) -> None:
+        """Bump the wake word; wake the readers sleeping on it, if any (registry docstring)."""
+        word = self._wake_word
+        word[0] = (word[0] + 1) & 0xFFFFFFFF
+        full_fence()  # written = 1 and the new word before looking for sleepers
+        if self._sleepers != self._nobody_asleep:
+            futex_wake_all(self._ring.wake_address)
 
     # -- waiting -----------------------------------------------------------------------------
 
@@ -179,6 +192,7 @@ class RingWriter:
             registry.acks[rank] = asked
         self._acked = requests
         self._fresh = self._fresh_read_flags()
+        self._wake_readers()  # joining readers may be asleep waiting for their ack
 
     def evict_reader(self, rank: int) -> None:
         """Stop waiting for reader `rank` (e.g. after ReaderDiedError). A replacement reader
@@ -187,6 +201,7 @@ class RingWriter:
             raise RingConfigError(f"reader rank {rank} is not in 0..{self._ring.n_reader - 1}")
         self._ring.mark_read_everywhere(rank)
         self._registry.active[rank] = 0
+        self._registry.sleepers[rank] = 0  # a dead reader may have died asleep
         self._fresh = self._fresh_read_flags()
 
     def joined_readers(self) -> list[int]:
