@@ -37,17 +37,18 @@ def test_create_populates_locks_and_reports_ready(shm_dir: Path) -> None:
     reconciler = make_reconciler(root)
     r1 = region(access={"uid": 1234, "gid": 5678, "mode": 0o660})
     first = reconciler.reconcile(view(r1))
-    assert reasons(first) == [EventReason.CREATED]
+    assert reasons(first)[0] is EventReason.CREATED
     assert first.reports["ns1/r1"].phase in (
         NodeRegionPhase.CREATING,
         NodeRegionPhase.POPULATING,
+        NodeRegionPhase.READY,  # 2 MiB may be done within the pass
     )
     result = settle(reconciler, view(r1))
     report = result.reports["ns1/r1"]
     assert report.phase is NodeRegionPhase.READY, report
     assert report.populated_bytes == SIZE and report.locked
     assert report.populate_seconds is not None and report.populate_seconds > 0
-    assert EventReason.READY in reasons(result)
+    assert EventReason.READY in reasons(first) + reasons(result)
     path = file_of(root)
     assert report.path == str(path)
     st = path.stat()

@@ -44,6 +44,7 @@ from kvshm.region.safefile import check_regular
 log = logging.getLogger(__name__)
 
 _HOLDING = (NodeRegionPhase.CREATING, NodeRegionPhase.POPULATING, NodeRegionPhase.READY)
+_FINISHED = (NodeRegionPhase.READY, NodeRegionPhase.FAILED)
 
 
 class Counters(Protocol):
@@ -132,6 +133,7 @@ class NodeReconciler:
             if key not in view.invalid:
                 self._ensure(desired[key])
         reclaims = self._execute_reclaims(view)
+        self._take_in_finished()
         busy = any(self._unsettled(h) for h in self._hosted.values()) or bool(self._drains)
         return PassResult(
             reports=self._reports(view, desired),
@@ -142,6 +144,17 @@ class NodeReconciler:
             busy=busy,
             settled=not busy,
         )
+
+    def _take_in_finished(self) -> None:
+        """Report regions whose opening finished during this pass now, not a pass later."""
+        for key, hosted in list(self._hosted.items()):
+            if hosted.busy or key in self._failures:
+                continue
+            phase = hosted.status().phase
+            if phase is NodeRegionPhase.FAILED:
+                self._after_failed_attempt(hosted)
+            elif phase is NodeRegionPhase.READY:
+                self._note_ready(hosted)
 
     def _unsettled(self, hosted: HostedRegion) -> bool:
         """Still opening, or finished and not yet taken in by a pass (its Ready or Failed is
@@ -485,11 +498,14 @@ class NodeReconciler:
             if key in self._failures:
                 continue
             status = hosted.status()
+            phase = status.phase
+            if key not in self._reported_ready and phase in _FINISHED:
+                phase = NodeRegionPhase.POPULATING  # finished just now: told on the next pass
             message = status.message
             if key in view.invalid:
                 message = f"spec refused, the region is kept as it was: {view.invalid[key]}"
             reports[key] = NodeReport(
-                status.phase,
+                phase,
                 path=hosted.path,
                 size_bytes=hosted.region.size_bytes,
                 populated_bytes=status.populated_bytes,
