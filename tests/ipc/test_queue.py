@@ -4,6 +4,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -253,3 +254,20 @@ def test_a_message_that_cannot_be_unpickled_is_consumed_and_reported(
         reader.dequeue(timeout=1)
     assert reader.dequeue(timeout=1) == "next"
     reader.close()
+
+
+def test_an_idle_reader_is_woken_by_the_writer_not_by_its_sleep_ending(ring_dir: str) -> None:
+    drowsy = WaitPolicy(spin_seconds=0, min_sleep_seconds=2.0, max_sleep_seconds=2.0)
+    with MessageQueue(1, 256, 4, directory=ring_dir, wait_policy=drowsy) as writer:
+        reader = MessageQueue.create_from_handle(writer.export_handle(), wait_policy=drowsy)
+        writer.wait_until_ready(timeout=5)
+        received = in_thread(lambda: (reader.dequeue(timeout=10), time.monotonic()))
+        time.sleep(0.2)  # the reader is asleep by now, for 2 s at a time
+        assert bytes(writer._ring.registry.sleepers) == b"\x01"
+        sent = time.monotonic()
+        writer.enqueue("wake up")
+        message, arrived = received()
+        assert message == "wake up"
+        assert arrived - sent < 0.5  # woken, not timed out
+        assert bytes(writer._ring.registry.sleepers) == b"\x00"
+        reader.close()
