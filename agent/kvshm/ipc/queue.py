@@ -224,14 +224,21 @@ class MessageQueue:
         deadline: float | None,
         cancel: CancelEvent | None,
     ) -> None:
+        """Send obj's body through consecutive chunks, starting with the one acquired."""
         pieces, total = self._encoder.encode_body(obj)
         cursor = PieceCursor(pieces)
-        room = len(chunk) - FRAGMENT.size
-        FRAGMENT.pack_into(chunk, 0, 1, FIRST, total)
-        sent = min(room, total)
-        cursor.copy_into(chunk[FRAGMENT.size : FRAGMENT.size + sent])
-        writer.publish()
-        while sent < total:
+        sent = 0
+        while True:
+            if sent == 0:
+                FRAGMENT.pack_into(chunk, 0, 1, FIRST, total)
+            else:
+                FRAGMENT.pack_into(chunk, 0, 1, CONTINUATION, sent)
+            take = min(len(chunk) - FRAGMENT.size, total - sent)
+            cursor.copy_into(chunk[FRAGMENT.size : FRAGMENT.size + take])
+            writer.publish()
+            sent += take
+            if sent == total:
+                return
             try:
                 chunk = writer.acquire(_remaining(deadline), cancel)
             except IpcError as exc:
@@ -239,11 +246,6 @@ class MessageQueue:
                     f"{sent} of {total} bytes of the message were sent; readers drop that part"
                 )
                 raise
-            FRAGMENT.pack_into(chunk, 0, 1, CONTINUATION, sent)
-            take = min(room, total - sent)
-            cursor.copy_into(chunk[FRAGMENT.size : FRAGMENT.size + take])
-            writer.publish()
-            sent += take
 
     def dequeue(
         self,

@@ -96,14 +96,8 @@ class RingReader:
         indefinite: bool = False,
     ) -> memoryview:
         """Wait for the next message's chunk and return it; release() it when done."""
-        if self._joined:
-            index = self._index
-            flags = self._flags[index]
-            if not flags[self._me]:
-                load_fence()  # our read flag (cleared after the writer filled) before written
-                if flags[0]:
-                    load_fence()  # both flags before any load from the chunk
-                    return self._chunks[index]
+        if self._ready():
+            return self._chunks[self._index]
         return self._wait_readable(timeout, cancel, indefinite)
 
     def release(self) -> None:
@@ -127,15 +121,16 @@ class RingReader:
         return self._joined
 
     def _ready(self) -> bool:
-        if not self._poll_join():
+        """Whether the current chunk holds a message this reader has not read."""
+        if not self._joined and not self._poll_join():
             return False
         flags = self._flags[self._index]
         if flags[self._me]:
             return False
-        load_fence()
+        load_fence()  # our read flag (cleared only after the writer filled) before written
         if not flags[0]:
             return False
-        load_fence()
+        load_fence()  # both flags before any load from the chunk
         return True
 
     def _wait_readable(
