@@ -4,6 +4,7 @@ status goes into status.nodes.<node> only, the OffloadNode keeps the inventory."
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from kvshm.agent.reports import EventReason
@@ -306,3 +307,33 @@ def test_a_dropped_watch_is_restarted_counted_and_changes_still_arrive(
         wait_for(lambda: phase_of(kube_api, second, NODE) == "Ready", 30, "two Ready")
         restarts = app.metrics.registry.get_sample_value("kvshm_agent_watch_restarts_total")
         assert restarts is not None and restarts >= 1
+
+
+def test_other_agents_status_patches_do_not_wake_this_agent(
+    kube_api: KubeApi, kubeconfig: Path, shm_dir: Path
+) -> None:
+    setup_cluster(kube_api, "team", nodes={NODE: {}})
+    region = create_region(kube_api, manifest("quiet", "team"))
+    with running_agent(kubeconfig, NODE, shm_dir / "root", "--resync-seconds", "30") as app:
+        wait_for(lambda: phase_of(kube_api, region, NODE) == "Ready", 30, "Ready")
+        time.sleep(1.5)  # the passes that follow Ready (and our own patches' echoes) are over
+        passes = []
+        real = app.reconciler.reconcile
+        app.reconciler.reconcile = lambda view: passes.append(1) or real(view)  # type: ignore[method-assign]
+        for i in range(20):  # another node's agent reporting progress
+            other = {"phase": "Populating", "populatedBytes": i}
+            kube_api.call(
+                lambda s, o=other: s.patch(
+                    s.resource("kvshm.dev", "v1alpha1", "offloadregions"),
+                    "team",
+                    "quiet",
+                    "application/merge-patch+json",
+                    {"status": {"nodes": {"node-z": o}}},
+                    "status",
+                )
+            )
+        time.sleep(1.0)
+        assert len(passes) <= 1, f"{len(passes)} passes for 20 foreign status patches"
+        patch_region(kube_api, "team", "quiet", {"spec": {"lock": False}})  # a spec change does
+        wait_for(lambda: node_status(kube_api, region, NODE).get("locked") is False, 10, "unlock")
+        assert len(passes) >= 1

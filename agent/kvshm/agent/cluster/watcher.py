@@ -25,6 +25,15 @@ WATCH_TIMEOUT_SECONDS = 300
 MAX_BACKOFF_SECONDS = 30.0
 
 
+def essence(obj: Mapping[str, Any] | None) -> tuple[Any, ...] | None:
+    """What the agent acts on. Status is not in it: every agent's status patch is a MODIFIED
+    event for every agent, and must not wake them all."""
+    if obj is None:
+        return None
+    metadata = obj.get("metadata") or {}
+    return (obj.get("spec"), metadata.get("uid"), metadata.get("deletionTimestamp"))
+
+
 def object_key(obj: Mapping[str, Any]) -> str:
     metadata = obj.get("metadata") or {}
     namespace = metadata.get("namespace")
@@ -117,15 +126,17 @@ class ListWatch:
             obj = event.get("raw_object") or {}
             version = str((obj.get("metadata") or {}).get("resourceVersion", version))
             kind = event.get("type")
-            if kind in ("ADDED", "MODIFIED"):
-                with self._lock:
-                    self._items[object_key(obj)] = obj
-            elif kind == "DELETED":
-                with self._lock:
-                    self._items.pop(object_key(obj), None)
-            else:
-                continue  # BOOKMARK: only the resource version moves
-            self._on_change()
+            key = object_key(obj)
+            with self._lock:
+                before = self._items.get(key)
+                if kind in ("ADDED", "MODIFIED"):
+                    self._items[key] = obj
+                elif kind == "DELETED":
+                    self._items.pop(key, None)
+                else:
+                    continue  # BOOKMARK: only the resource version moves
+            if kind == "DELETED" or essence(before) != essence(obj):
+                self._on_change()
         return version
 
 
