@@ -262,23 +262,59 @@ def test_reclaims_from_the_offload_node_spec_are_rechecked_and_reported(
         assert "Reclaimed" in node_events and "ReclaimRefused" in node_events
 
 
-def test_hostile_entries_fail_the_region_and_mark_the_root(
+def _plant_hostile_entries(root: Path, outside: Path) -> dict[str, str]:
+    """One region per planted hazard (under namespace "team" or a namespace of its own);
+    returns region name -> what its Failed message must say."""
+
+    def region_file(name: str) -> Path:
+        return region_dir(root, f"team/{name}") / f"vllm_offload_{name}.mmap"
+
+    region_file("file-symlink").symlink_to(outside / "secret")
+    os.mkfifo(region_file("fifo"))
+    os.link(outside / "sized", region_file("hardlink"))
+    region_file("directory").mkdir()
+    (root / "team" / "dir-symlink").symlink_to(outside)
+    (root / "team" / "dir-file").write_bytes(b"")
+    (root / "evil").symlink_to(outside)  # a whole namespace
+    return {
+        "file-symlink": "symbolic link",
+        "fifo": "FIFO",
+        "hardlink": "2 hard links",
+        "directory": "a directory",
+        "dir-symlink": "symbolic link",
+        "dir-file": "a regular file",
+        "ns-symlink": "symbolic link",
+    }
+
+
+def test_every_hostile_entry_fails_its_region_and_nothing_outside_changes(
     kube_api: KubeApi, kubeconfig: Path, shm_dir: Path
 ) -> None:
-    setup_cluster(kube_api, "team", nodes={NODE: {}})
+    setup_cluster(kube_api, "team", "evil", nodes={NODE: {}})
     root = shm_dir / "root"
     outside = shm_dir / "outside"
     outside.mkdir()
     (outside / "secret").write_bytes(b"keep")
-    (region_dir(root, "team/lnk") / "vllm_offload_lnk.mmap").symlink_to(outside / "secret")
-    (root / "team" / "dirlink").symlink_to(outside)
-    lnk = create_region(kube_api, manifest("lnk", "team", access={"uid": 777, "gid": 777}))
-    dirlink = create_region(kube_api, manifest("dirlink", "team"))
+    (outside / "sized").write_bytes(b"\0" * 2097152)  # the right size for the hard link
+    before = {
+        p.name: (p.lstat().st_mode, p.lstat().st_uid, p.lstat().st_size) for p in outside.iterdir()
+    }
+    expected = _plant_hostile_entries(root, outside)
+    owner = {"uid": 777, "gid": 777, "mode": 0o600}
+    regions = {
+        name: create_region(
+            kube_api,
+            manifest("r", "evil", access=owner)
+            if name == "ns-symlink"
+            else manifest(name, "team", access=owner),
+        )
+        for name in expected
+    }
     with running_agent(kubeconfig, NODE, root):
-        wait_for(lambda: phase_of(kube_api, lnk, NODE) == "Failed", 30, "lnk Failed")
-        wait_for(lambda: phase_of(kube_api, dirlink, NODE) == "Failed", 30, "dirlink Failed")
-        assert "symbolic link" in node_status(kube_api, lnk, NODE)["message"]
-        assert "symbolic link" in node_status(kube_api, dirlink, NODE)["message"]
+        for name, region in regions.items():
+            wait_for(lambda r=region: phase_of(kube_api, r, NODE) == "Failed", 30, name)
+            message = node_status(kube_api, region, NODE)["message"]
+            assert expected[name] in message, (name, message)
         condition = wait_for(
             lambda: [
                 c
@@ -288,10 +324,12 @@ def test_hostile_entries_fail_the_region_and_mark_the_root(
             10,
             "RootSafe False",
         )[0]
-        assert "symbolic link" in condition["message"]
-    assert sorted(p.name for p in outside.iterdir()) == ["secret"]
+        assert "symbolic link" in condition["message"] and "FIFO" in condition["message"]
+    after = {
+        p.name: (p.lstat().st_mode, p.lstat().st_uid, p.lstat().st_size) for p in outside.iterdir()
+    }
+    assert after == before
     assert (outside / "secret").read_bytes() == b"keep"
-    assert (outside / "secret").stat().st_uid == 0
 
 
 def test_a_dropped_watch_is_restarted_counted_and_changes_still_arrive(
