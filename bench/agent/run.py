@@ -88,7 +88,8 @@ def appear_to_ready(directory: Path, size_bytes: int, threads: int | None) -> di
     while report.phase is not NodeRegionPhase.READY:
         if report.phase is NodeRegionPhase.FAILED:
             raise SystemExit(f"region failed: {report.message}")
-        reconciler.wait_idle(0.01)
+        # the agent's loop sleeps until the opening thread wakes it (no passes meanwhile)
+        reconciler.wait_idle()
         report = reconciler.reconcile(view).reports[region.key]
     total = time.perf_counter() - started
     hosted = reconciler.hosted_regions()[region.key]
