@@ -9,12 +9,14 @@ process may hold it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from kvshm.agent.counters import Counters
+from kvshm.agent.errors import ErrorReason
 from kvshm.agent.holders import HoldChecker
-from kvshm.agent.reports import ReclaimOutcome, ReclaimResult
+from kvshm.agent.reports import AgentEvent, EventReason, ReclaimOutcome, ReclaimResult
 from kvshm.agent.saferoot import RegionRoot, is_namespace, is_region_name
 from kvshm.region import UnsafePathError, instance_id_from_file_name
 
@@ -86,3 +88,47 @@ class Reclaimer:
             if region_dir.remove_if_empty():
                 self._root.remove_namespace_if_empty(namespace)
         return result(ReclaimOutcome.DONE, f"removed {path} ({locked.st_blocks * 512} bytes freed)")
+
+
+class ReclaimBook:
+    """Runs each request once and keeps its result while the request stays in the spec; a
+    request written again with other content (a new requestedAt) runs again."""
+
+    def __init__(self, reclaimer: Reclaimer, counters: Counters) -> None:
+        self._reclaimer = reclaimer
+        self._counters = counters
+        self._done: dict[str, tuple[str, ReclaimResult]] = {}  # path -> (token, result)
+
+    def run(
+        self, requests: Sequence[ReclaimRequest], claimed_by: ClaimCheck
+    ) -> tuple[dict[str, ReclaimResult], list[AgentEvent]]:
+        wanted = {request.path: request for request in requests}
+        for path in list(self._done):
+            if path not in wanted:
+                del self._done[path]
+        events = []
+        for path, request in sorted(wanted.items()):
+            done = self._done.get(path)
+            if done is None or done[0] != request.token:
+                result = self._execute(request, claimed_by)
+                self._done[path] = (request.token, result)
+                events.append(_event(result))
+        return {path: result for path, (_, result) in self._done.items()}, events
+
+    def _execute(self, request: ReclaimRequest, claimed_by: ClaimCheck) -> ReclaimResult:
+        try:
+            result = self._reclaimer.execute(request, claimed_by)
+        except OSError as exc:
+            result = ReclaimResult(request.path, ReclaimOutcome.FAILED, str(exc), datetime.now(UTC))
+        self._counters.reclaimed(result.outcome)
+        if result.outcome is ReclaimOutcome.FAILED:
+            self._counters.error(ErrorReason.RECLAIM)
+        return result
+
+
+def _event(result: ReclaimResult) -> AgentEvent:
+    done = result.outcome is ReclaimOutcome.DONE
+    return AgentEvent(
+        EventReason.RECLAIMED if done else EventReason.RECLAIM_REFUSED,
+        f"{result.path}: {result.outcome.value}: {result.message}",
+    )

@@ -14,24 +14,22 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
-from typing import Protocol
+from datetime import datetime
 
 from kvshm.agent.capacity import CapacityCheck
+from kvshm.agent.counters import Counters, NoCounters
 from kvshm.agent.drain import Drain, Drainer, DrainNotifier, DrainOutcome
 from kvshm.agent.errors import ErrorReason, classify
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion, HostingSettings
 from kvshm.agent.inventory import InventoryScanner
-from kvshm.agent.reclaim import Reclaimer, ReclaimRequest
+from kvshm.agent.reclaim import ReclaimBook, Reclaimer
 from kvshm.agent.reports import (
     AgentEvent,
     EventReason,
     InventoryFile,
     NodeReport,
     PassResult,
-    ReclaimOutcome,
-    ReclaimResult,
 )
 from kvshm.agent.saferoot import RegionDir, RegionRoot
 from kvshm.agent.sizes import format_bytes
@@ -45,29 +43,6 @@ log = logging.getLogger(__name__)
 
 _HOLDING = (NodeRegionPhase.CREATING, NodeRegionPhase.POPULATING, NodeRegionPhase.READY)
 _FINISHED = (NodeRegionPhase.READY, NodeRegionPhase.FAILED)
-
-
-class Counters(Protocol):
-    """What the reconciler counts as it goes (kvshm.agent.metrics implements it)."""
-
-    def populated(self, seconds: float, size_bytes: int) -> None: ...
-    def drained(self, outcome: DrainOutcome) -> None: ...
-    def reclaimed(self, outcome: ReclaimOutcome) -> None: ...
-    def error(self, reason: ErrorReason) -> None: ...
-
-
-class NoCounters:
-    def populated(self, seconds: float, size_bytes: int) -> None:
-        pass
-
-    def drained(self, outcome: DrainOutcome) -> None:
-        pass
-
-    def reclaimed(self, outcome: ReclaimOutcome) -> None:
-        pass
-
-    def error(self, reason: ErrorReason) -> None:
-        pass
 
 
 @dataclass(frozen=True)
@@ -109,12 +84,11 @@ class NodeReconciler:
         self._notifier = notifier
         self._drainer = Drainer(root, self._holds, notifier, settings.drain_grace_seconds, clock)
         self._inventory = InventoryScanner(root, self._holds, settings.reserve_bytes)
-        self._reclaimer = Reclaimer(root, self._holds)
+        self._reclaims = ReclaimBook(Reclaimer(root, self._holds), self._counters)
         self._hosted: dict[str, HostedRegion] = {}
         self._failures: dict[str, _Failure] = {}
         self._drains: dict[tuple[str, str], Drain] = {}  # (key, instance id) -> drain
         self._finished: dict[str, NodeReport] = {}  # key -> Removed report, while still known
-        self._reclaims: dict[str, tuple[str, ReclaimResult]] = {}  # path -> (token, result)
         self._reported_ready: set[str] = set()
         self._events: list[AgentEvent] = []
 
@@ -132,7 +106,10 @@ class NodeReconciler:
         for key in sorted(desired):
             if key not in view.invalid:
                 self._ensure(desired[key])
-        reclaims = self._execute_reclaims(view)
+        reclaims, events = self._reclaims.run(
+            view.reclaims, lambda ns, n, iid: self._claimant(view, ns, n, iid)
+        )
+        self._events.extend(events)
         self._take_in_finished()
         busy = any(self._unsettled(h) for h in self._hosted.values()) or bool(self._drains)
         return PassResult(
@@ -436,38 +413,6 @@ class NodeReconciler:
             self._counters.error(ErrorReason.LOCK)
             self._event(EventReason.LOCK_FAILED, hosted.region, status.message)
         self._event(EventReason.READY, hosted.region, _ready_message(hosted))
-
-    # -- reclaims --------------------------------------------------------------------------
-
-    def _execute_reclaims(self, view: ClusterView) -> dict[str, ReclaimResult]:
-        requested = {request.path: request for request in view.reclaims}
-        for path in list(self._reclaims):
-            if path not in requested:
-                del self._reclaims[path]
-        for path, request in sorted(requested.items()):
-            done = self._reclaims.get(path)
-            if done is None or done[0] != request.token:
-                self._reclaims[path] = (request.token, self._reclaim(view, request))
-        return {path: result for path, (_, result) in self._reclaims.items()}
-
-    def _reclaim(self, view: ClusterView, request: ReclaimRequest) -> ReclaimResult:
-        try:
-            result = self._reclaimer.execute(
-                request, lambda ns, n, iid: self._claimant(view, ns, n, iid)
-            )
-        except OSError as exc:
-            result = ReclaimResult(request.path, ReclaimOutcome.FAILED, str(exc), datetime.now(UTC))
-        self._counters.reclaimed(result.outcome)
-        if result.outcome is ReclaimOutcome.FAILED:
-            self._counters.error(ErrorReason.RECLAIM)
-        done = result.outcome is ReclaimOutcome.DONE
-        self._events.append(
-            AgentEvent(
-                EventReason.RECLAIMED if done else EventReason.RECLAIM_REFUSED,
-                f"{request.path}: {result.outcome.value}: {result.message}",
-            )
-        )
-        return result
 
     # -- reports ---------------------------------------------------------------------------
 
