@@ -30,7 +30,7 @@ NAMESPACE = "team"
 # Fast enough for tests, slow enough for a 2-core CI machine under load.
 TEST_CONFIG = OperatorConfig(
     orphan_grace_seconds=4.0,
-    agent_silence_seconds=4.0,
+    agent_silence_seconds=6.0,  # agents heartbeat every 0.5 s; a loaded CI runner is slow
     deletion_poll_seconds=0.5,
     placement_retry_seconds=1.0,
     region_resync_seconds=1.0,
@@ -219,13 +219,20 @@ def operator_in_thread(config: OperatorConfig = TEST_CONFIG) -> Iterator[KopfRun
 class OperatorProcess:
     """`python -m kvshm.operator` as a separate process: can be killed like a real pod."""
 
-    def __init__(self, kubeconfig: Path, log_dir: Path, config: OperatorConfig = TEST_CONFIG):
+    def __init__(
+        self,
+        kubeconfig: Path,
+        log_dir: Path,
+        config: OperatorConfig = TEST_CONFIG,
+        args: tuple[str, ...] = ("--liveness", "none"),
+    ) -> None:
         self.env = {**os.environ, **config_environment(config), "KUBECONFIG": str(kubeconfig)}
+        self.args = args
         self.log = log_dir / "operator.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> OperatorProcess:
-        command = [sys.executable, "-m", "kvshm.operator", "--liveness", "none"]
+        command = [sys.executable, "-m", "kvshm.operator", *self.args]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 command, env=self.env, stdout=log, stderr=subprocess.STDOUT
