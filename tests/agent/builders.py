@@ -142,3 +142,19 @@ def holding(path: Path, how: str = "flock") -> Iterator[subprocess.Popen[str]]:
     finally:
         holder.kill()
         holder.wait()
+
+
+def local_agent(regions: Path, root: Path, *extra: str) -> list[str]:
+    """The command line of a local-mode agent (`python -m kvshm.agent.cli --local ...`)."""
+    return [
+        sys.executable,
+        "-m",
+        "kvshm.agent.cli",
+        "--local",
+        str(regions),
+        "--root",
+        str(root),
+        "--poll-seconds",
+        "0.2",
+        *extra,
+    ]

@@ -6,31 +6,15 @@ import ctypes
 import resource
 import signal
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import yaml
 
-from tests.agent.builders import manifest
+from tests.agent.builders import local_agent, manifest
 from tests.agent.cluster import REPO, wait_for
 
 EXAMPLES = REPO / "examples" / "regions"
-
-
-def agent(regions: Path, root: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "kvshm.agent.cli",
-        "--local",
-        str(regions),
-        "--root",
-        str(root),
-        "--poll-seconds",
-        "0.2",
-        *extra,
-    ]
 
 
 def write(regions: Path, name: str, *documents: dict[str, object]) -> None:
@@ -40,7 +24,7 @@ def write(regions: Path, name: str, *documents: dict[str, object]) -> None:
 def test_once_reconciles_the_examples_and_prints_a_table(shm_dir: Path) -> None:
     root = shm_dir / "root"
     done = subprocess.run(
-        agent(EXAMPLES, root, "--once", "--no-http"),
+        local_agent(EXAMPLES, root, "--once", "--no-http"),
         capture_output=True,
         text=True,
         timeout=120,
@@ -70,7 +54,10 @@ def test_once_exits_1_and_says_why_when_a_region_fails(shm_dir: Path) -> None:
     for each in (root, root / "default"):
         each.chmod(0o711)
     done = subprocess.run(
-        agent(regions, root, "--once", "--no-http"), capture_output=True, text=True, timeout=60
+        local_agent(regions, root, "--once", "--no-http"),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 1
     assert "default/odd  Failed" in done.stdout
@@ -83,7 +70,7 @@ def test_a_running_agent_follows_the_directory(shm_dir: Path) -> None:
     root = shm_dir / "root"
     write(regions, "a.yaml", manifest("first", "default"))
     process = subprocess.Popen(
-        agent(regions, root, "--port", "0", "--drain-grace-seconds", "1"),
+        local_agent(regions, root, "--port", "0", "--drain-grace-seconds", "1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -135,7 +122,9 @@ def test_sigkill_mid_populate_then_restart_adopts(shm_dir: Path) -> None:
     regions.mkdir()
     root = shm_dir / "root"
     write(regions, "big.yaml", manifest("big", "default", blocks=192, page=1 << 20, workers=1))
-    slow = agent(regions, root, "--no-http", "--populate-threads", "1", "--populate-rate", "64Mi")
+    slow = local_agent(
+        regions, root, "--no-http", "--populate-threads", "1", "--populate-rate", "64Mi"
+    )
     process = subprocess.Popen(slow, stdout=subprocess.PIPE, text=True)
     path = root / "default" / "big" / "vllm_offload_big.mmap"
     try:
@@ -148,7 +137,10 @@ def test_sigkill_mid_populate_then_restart_adopts(shm_dir: Path) -> None:
     assert 0 < partial < 192 << 20
     inode = path.stat().st_ino
     done = subprocess.run(
-        agent(regions, root, "--once", "--no-http"), capture_output=True, text=True, timeout=60
+        local_agent(regions, root, "--once", "--no-http"),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stdout
     assert "default/big  Adopted" in done.stdout
@@ -159,11 +151,11 @@ def test_bad_arguments_and_roots_are_refused_with_a_reason(shm_dir: Path) -> Non
     planted = shm_dir / "planted"
     planted.symlink_to("/etc")
     done = subprocess.run(
-        agent(EXAMPLES, planted, "--once", "--no-http"), capture_output=True, text=True
+        local_agent(EXAMPLES, planted, "--once", "--no-http"), capture_output=True, text=True
     )
     assert done.returncode == 2 and "symbolic link" in done.stderr
     missing = subprocess.run(
-        agent(shm_dir / "nope", shm_dir / "root", "--once", "--no-http"),
+        local_agent(shm_dir / "nope", shm_dir / "root", "--once", "--no-http"),
         capture_output=True,
         text=True,
     )
@@ -185,7 +177,7 @@ def test_a_refused_mlock_leaves_the_region_ready_and_says_so(shm_dir: Path) -> N
     regions.mkdir()
     write(regions, "r.yaml", manifest("unlocked", "default", blocks=8, page=1 << 20, workers=2))
     done = subprocess.run(
-        agent(regions, shm_dir / "root", "--once", "--no-http"),
+        local_agent(regions, shm_dir / "root", "--once", "--no-http"),
         capture_output=True,
         text=True,
         timeout=60,
@@ -211,7 +203,7 @@ def test_missing_privileges_fail_the_region_with_what_to_grant(shm_dir: Path) ->
     write(regions, "r.yaml", manifest("owned", "team", access={"uid": 4321, "gid": 4321}))
     for attempt in ("creating", "after a restart"):
         done = subprocess.run(
-            agent(regions, shm_dir / "root", "--once", "--no-http"),
+            local_agent(regions, shm_dir / "root", "--once", "--no-http"),
             capture_output=True,
             text=True,
             timeout=60,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
@@ -16,7 +15,7 @@ from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.saferoot import RegionRoot
 from kvshm.api import NodeRegionPhase
 from kvshm.ipc import MessageQueue
-from tests.agent.builders import holding, manifest, region, settle, view
+from tests.agent.builders import holding, local_agent, manifest, region, settle, view
 
 
 def reconciler(root: Path, **settings: float) -> NodeReconciler:
@@ -57,17 +56,7 @@ def test_a_restarted_agent_resumes_writing_the_same_queue(shm_dir: Path) -> None
     (regions / "r1.yaml").write_text(yaml.safe_dump(manifest()))
     # the first agent is a process that exits without releasing anything (as on SIGKILL)
     first = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvshm.agent.cli",
-            "--local",
-            str(regions),
-            "--root",
-            str(root),
-            "--once",
-            "--no-http",
-        ],
+        local_agent(regions, root, "--once", "--no-http"),
         capture_output=True,
         text=True,
         timeout=60,

@@ -8,7 +8,9 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from kvshm.api import NodeRegionPhase
+from kvshm.api import NodeRegionPhase, ReclaimOutcome
+
+__all__ = ["ReclaimOutcome"]  # re-exported: reports carry it
 
 
 def format_timestamp(moment: datetime) -> str:
@@ -105,19 +107,6 @@ class InventoryFile:
         if self.first_seen_unclaimed is not None:
             status["firstSeenUnclaimed"] = format_timestamp(self.first_seen_unclaimed)
         return status
-
-
-class ReclaimOutcome(StrEnum):
-    """Metric label values; status uses the CamelCase status_value."""
-
-    DONE = "done"
-    REFUSED_HELD = "refused_held"
-    REFUSED_CLAIMED = "refused_claimed"
-    FAILED = "failed"
-
-    @property
-    def status_value(self) -> str:
-        return "".join(word.capitalize() for word in self.value.split("_"))
 
 
 @dataclass(frozen=True)
