@@ -244,3 +244,23 @@ def test_an_invalid_spec_keeps_the_existing_region(shm_dir: Path) -> None:
     assert report.phase is NodeRegionPhase.READY
     assert "spec refused" in report.message
     assert file_of(root).exists()
+
+
+def test_regions_populate_one_at_a_time_and_the_rest_wait_pending(shm_dir: Path) -> None:
+    root = shm_dir / "root"
+    reconciler = make_reconciler(root, threads=1, rate=64 * MIB)  # 64 MiB: about 1 s each
+    first = region("a-first", blocks=64, page=MIB, workers=1, lock=False)
+    second = region("b-second", blocks=64, page=MIB, workers=1, lock=False)
+    result = reconciler.reconcile(view(first, second))
+    deadline = time.monotonic() + 20
+    opening = (NodeRegionPhase.CREATING, NodeRegionPhase.POPULATING)
+    while result.reports["ns1/a-first"].phase not in opening:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+        result = reconciler.reconcile(view(first, second))
+    waiting = result.reports["ns1/b-second"]
+    assert waiting.phase is NodeRegionPhase.PENDING
+    assert "waiting for other regions" in waiting.message
+    assert not file_of(root, "ns1/b-second", "b-second").exists()
+    result = settle(reconciler, view(first, second), passes=200)
+    assert {r.phase for r in result.reports.values()} == {NodeRegionPhase.READY}

@@ -70,7 +70,7 @@ def _settings(args: argparse.Namespace) -> ReconcilerSettings:
         reserve_bytes=args.reserve_bytes,
         drain_grace_seconds=args.drain_grace_seconds,
         retry_seconds=args.resync_seconds,
-        hosting=HostingSettings(args.populate_threads, args.populate_rate),
+        hosting=HostingSettings(args.populate_threads, args.populate_rate, args.parallel_regions),
     )
 
 

@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="cap populate throughput (e.g. 2Gi) so a busy node keeps its memory bandwidth",
     )
     regions.add_argument(
+        "--parallel-regions",
+        type=int,
+        default=1,
+        help="regions populated at once (default 1: each gets every populate thread)",
+    )
+    regions.add_argument(
         "--proc-scan",
         action="store_true",
         help="also treat files mapped or open by any visible process as held (needs hostPID)",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -41,7 +42,12 @@ from kvshm.region.safefile import check_regular
 
 log = logging.getLogger(__name__)
 
-_HOLDING = (NodeRegionPhase.CREATING, NodeRegionPhase.POPULATING, NodeRegionPhase.READY)
+_HOLDING = (
+    NodeRegionPhase.PENDING,
+    NodeRegionPhase.CREATING,
+    NodeRegionPhase.POPULATING,
+    NodeRegionPhase.READY,
+)
 _FINISHED = (NodeRegionPhase.READY, NodeRegionPhase.FAILED)
 
 
@@ -82,6 +88,7 @@ class NodeReconciler:
         self._wake = wake
         self._clock = clock
         self._notifier = notifier
+        self._populate_slots = threading.Semaphore(max(1, settings.hosting.parallel_regions))
         self._drainer = Drainer(root, self._holds, notifier, settings.drain_grace_seconds, clock)
         self._inventory = InventoryScanner(root, self._holds, settings.reserve_bytes)
         self._reclaims = ReclaimBook(Reclaimer(root, self._holds), self._counters)
@@ -318,6 +325,7 @@ class NodeReconciler:
                 adopt=adopt,
                 settings=self.settings.hosting,
                 on_done=self._wake,
+                slots=self._populate_slots,
             )
             self._notifier.prepare(region_dir, region)
         self._hosted[region.key] = hosted
