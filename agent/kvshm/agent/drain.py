@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from kvshm.agent.errors import describe
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion
 from kvshm.agent.saferoot import RegionDir, RegionRoot
@@ -174,7 +175,7 @@ class Drainer:
         except FileNotFoundError:
             pass
         except UnsafePathError as exc:
-            leftovers.append(str(exc))
+            leftovers.append(describe(exc))
         self._notifier.close(region.key)
         for name in self._notifier.file_names(region_dir):
             problem = region_dir.unlink_regular(name)

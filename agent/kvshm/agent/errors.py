@@ -39,3 +39,10 @@ def classify(exc: BaseException) -> ErrorReason:
     if isinstance(exc, PermissionError) or getattr(exc, "errno", None) == errno.EPERM:
         return ErrorReason.PERMISSION
     return ErrorReason.IO
+
+
+def describe(exc: BaseException) -> str:
+    """An error's message without Python's "[Errno N]" prefix, naming the file if it has one."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return str(exc)

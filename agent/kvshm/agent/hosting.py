@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvshm.agent.errors import ErrorReason, classify
+from kvshm.agent.errors import ErrorReason, classify, describe
 from kvshm.agent.saferoot import RegionDir, set_owner_and_mode
 from kvshm.agent.throttle import RateLimit
 from kvshm.api import NodeRegionPhase, OffloadRegion
@@ -153,7 +153,7 @@ class HostedRegion:
             self._set(
                 HostingStatus(
                     NodeRegionPhase.FAILED,
-                    message=str(exc).replace(self._fd_dir, self._display_dir),
+                    message=describe(exc).replace(self._fd_dir, self._display_dir),
                     error=classify(exc),
                 )
             )
@@ -225,7 +225,7 @@ class HostedRegion:
         try:
             shared.lock()
         except RegionLockError as exc:
-            return f"ready but not locked: {exc}".replace(self._fd_dir, self._display_dir)
+            return f"ready but not locked: {describe(exc)}".replace(self._fd_dir, self._display_dir)
         self.lock_seconds = time.monotonic() - started
         return ""
 

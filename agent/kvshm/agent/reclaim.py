@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from kvshm.agent.counters import Counters
-from kvshm.agent.errors import ErrorReason
+from kvshm.agent.errors import ErrorReason, describe
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.reports import AgentEvent, EventReason, ReclaimOutcome, ReclaimResult
 from kvshm.agent.saferoot import RegionRoot, is_namespace, is_region_name
@@ -57,7 +57,7 @@ class Reclaimer:
         try:
             region_dir = self._root.open_region_dir(namespace, name)
         except UnsafePathError as exc:
-            return result(ReclaimOutcome.FAILED, str(exc))
+            return result(ReclaimOutcome.FAILED, describe(exc))
         if region_dir is None:
             return result(ReclaimOutcome.DONE, "already gone")
         with region_dir:
@@ -82,7 +82,7 @@ class Reclaimer:
             except FileNotFoundError:
                 return result(ReclaimOutcome.DONE, "already gone")
             except UnsafePathError as exc:
-                return result(ReclaimOutcome.FAILED, str(exc))
+                return result(ReclaimOutcome.FAILED, describe(exc))
             if problem:
                 return result(ReclaimOutcome.FAILED, f"{problem}; nothing was removed")
             if region_dir.remove_if_empty():
@@ -119,7 +119,9 @@ class ReclaimBook:
         try:
             result = self._reclaimer.execute(request, claimed_by)
         except OSError as exc:
-            result = ReclaimResult(request.path, ReclaimOutcome.FAILED, str(exc), datetime.now(UTC))
+            result = ReclaimResult(
+                request.path, ReclaimOutcome.FAILED, describe(exc), datetime.now(UTC)
+            )
         self._counters.reclaimed(result.outcome)
         if result.outcome is ReclaimOutcome.FAILED:
             self._counters.error(ErrorReason.RECLAIM)

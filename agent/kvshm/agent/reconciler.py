@@ -20,7 +20,7 @@ from datetime import datetime
 from kvshm.agent.capacity import CapacityCheck
 from kvshm.agent.counters import Counters, NoCounters
 from kvshm.agent.drain import Drain, Drainer, DrainNotifier, DrainOutcome
-from kvshm.agent.errors import ErrorReason, classify
+from kvshm.agent.errors import ErrorReason, classify, describe
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion, HostingSettings
 from kvshm.agent.inventory import InventoryScanner
@@ -307,13 +307,13 @@ class NodeReconciler:
         try:
             region_dir = self.root.ensure_region_dir(region.namespace, region.name, region.access)
         except (RegionError, OSError) as exc:
-            self._fail(region, classify(exc), str(exc))
+            self._fail(region, classify(exc), describe(exc))
             return
         with region_dir:
             try:
                 adopt, needed = self._inspect(region, region_dir)
             except (RegionError, OSError) as exc:
-                self._fail(region, classify(exc), str(exc))
+                self._fail(region, classify(exc), describe(exc))
                 return
             check = self._capacity(needed)
             if not check.fits:

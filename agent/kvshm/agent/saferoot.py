@@ -18,6 +18,7 @@ import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvshm.agent.errors import describe
 from kvshm.api import RegionAccess
 from kvshm.region import UnsafePathError, instance_id_from_file_name
 from kvshm.region.safefile import describe_file_type
@@ -279,13 +280,13 @@ class RegionRoot:
             except FileNotFoundError:
                 continue
             except OSError as exc:  # UnsafePathError, or EACCES without CAP_DAC_OVERRIDE
-                problem(f"{ns_path}: {exc}")
+                problem(f"{ns_path}: {describe(exc)}")
                 continue
             try:
                 _check_agent_owned(ns_fd, ns_path)
             except UnsafePathError as exc:
                 os.close(ns_fd)
-                problem(str(exc))
+                problem(describe(exc))
                 continue
             try:
                 yield from self._walk_namespace(namespace, ns_fd, problem)
@@ -305,7 +306,11 @@ class RegionRoot:
             except FileNotFoundError:
                 continue
             except OSError as exc:
-                problem(str(exc) if isinstance(exc, UnsafePathError) else f"{path}: {exc}")
+                problem(
+                    describe(exc)
+                    if isinstance(exc, UnsafePathError)
+                    else f"{path}: {describe(exc)}"
+                )
                 continue
             # the namespace descriptor belongs to walk(); the RegionDir gets its own copy
             region_dir = RegionDir(namespace, name, path, fd, os.dup(ns_fd))
