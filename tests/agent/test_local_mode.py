@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import resource
 import signal
+import socket
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -213,3 +214,19 @@ def test_missing_privileges_fail_the_region_with_what_to_grant(shm_dir: Path) ->
         assert "team/owned  Failed" in done.stdout, attempt
         assert "needs CAP_DAC_OVERRIDE" in done.stdout, attempt
         assert "Traceback" not in done.stderr, attempt
+
+
+def test_a_busy_metrics_port_is_refused_with_what_to_do(shm_dir: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            local_agent(EXAMPLES, shm_dir / "root", "--once", "--port", str(port)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2
+    assert f"cannot serve /metrics on 127.0.0.1:{port}" in done.stderr and "--port 0" in done.stderr
+    assert "Traceback" not in done.stderr

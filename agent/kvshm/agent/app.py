@@ -120,7 +120,15 @@ def build_app(args: argparse.Namespace) -> AgentApp:
     server = None
     if not args.no_http:
         host = args.bind or ("127.0.0.1" if args.local else "0.0.0.0")
-        server = serve(host, args.port, metrics.registry, health)
+        try:
+            server = serve(host, args.port, metrics.registry, health)
+        except OSError as exc:
+            source.close()
+            root.close()
+            raise AgentStartError(
+                f"cannot serve /metrics on {host}:{args.port} ({exc.strerror or exc}): is another "
+                f"agent running? Use --port 0 for any free port, or --no-http"
+            ) from exc
     loop = AgentLoop(
         source, reconciler, sink, metrics, health, wakeup, resync_seconds=args.resync_seconds
     )
