@@ -50,7 +50,7 @@ class _NoNotifier:
     def publish(self, region_dir: object, event: object) -> None:
         pass
 
-    def close(self, key: str) -> None:
+    def close(self, region_dir: object) -> None:
         pass
 
     def file_names(self, region_dir: object) -> list[str]:

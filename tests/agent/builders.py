@@ -74,8 +74,8 @@ class RecordingNotifier:
     def prepare(self, region_dir: RegionDir, region: OffloadRegion) -> None:
         self.prepared.append(region.key)
 
-    def close(self, key: str) -> None:
-        self.closed.append(key)
+    def close(self, region_dir: RegionDir) -> None:
+        self.closed.append(region_dir.key)
 
     def publish(self, region_dir: RegionDir, event: DrainEvent) -> None:
         self.events.append((region_dir.key, event))

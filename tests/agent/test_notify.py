@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 from pathlib import Path
@@ -77,3 +78,30 @@ def test_a_restarted_agent_resumes_writing_the_same_queue(shm_dir: Path) -> None
             assert ring.exists()  # kept while the region waits for its holders
     finally:
         worker.close()
+
+
+def test_a_truncated_ring_costs_the_event_not_the_agent(shm_dir: Path) -> None:
+    """The tenant owns its ring file; writing to a truncated mapping would be SIGBUS."""
+    root, regions = shm_dir / "root", shm_dir / "regions"
+    regions.mkdir()
+    (regions / "r1.yaml").write_text(yaml.safe_dump(manifest()))
+    command = local_agent(regions, root, "--no-http", "--drain-grace-seconds", "1")
+    agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert agent.stdout is not None
+        lines = []
+        while not any("ns1/r1  Ready" in line for line in lines):
+            lines.append(agent.stdout.readline())
+            assert lines[-1], "".join(lines)
+        os.truncate(root / "ns1" / "r1" / EVENTS_RING, 0)
+        (regions / "r1.yaml").unlink()
+        while not any("ns1/r1  Removed" in line for line in lines):
+            lines.append(agent.stdout.readline())
+            assert lines[-1], "".join(lines)  # the agent is still alive
+        agent.send_signal(signal.SIGTERM)
+        out, _ = agent.communicate(timeout=20)
+    finally:
+        agent.kill()
+    assert agent.returncode == 0, "".join(lines) + out
+    assert "event ring was truncated or replaced" in "".join(lines) + out
+    assert not (root / "ns1").exists()

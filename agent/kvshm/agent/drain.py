@@ -56,7 +56,7 @@ class DrainNotifier(Protocol):
 
     def publish(self, region_dir: RegionDir, event: DrainEvent) -> None: ...
 
-    def close(self, key: str) -> None:
+    def close(self, region_dir: RegionDir) -> None:
         """Let go of the region's channel before its files are removed."""
         ...
 
@@ -176,7 +176,7 @@ class Drainer:
             pass
         except UnsafePathError as exc:
             leftovers.append(describe(exc))
-        self._notifier.close(region.key)
+        self._notifier.close(region_dir)
         for name in self._notifier.file_names(region_dir):
             problem = region_dir.unlink_regular(name)
             if problem:

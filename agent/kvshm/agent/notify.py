@@ -16,7 +16,7 @@ import logging
 from kvshm.agent.drain import DrainEvent
 from kvshm.agent.saferoot import RegionDir
 from kvshm.api import OffloadRegion
-from kvshm.ipc import IpcError, MessageQueue, WaitPolicy
+from kvshm.ipc import IpcError, MessageQueue, RingLayout, WaitPolicy
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class RegionEventQueues:
 
     def __init__(self) -> None:
         self._queues: dict[str, MessageQueue] = {}
+        self._files: dict[str, tuple[int, int, int]] = {}  # key -> (dev, inode, size) mapped
 
     def prepare(self, region_dir: RegionDir, region: OffloadRegion) -> None:
         """Create the region's queue, or take over writing an existing one (agent restart)."""
@@ -64,7 +65,27 @@ class RegionEventQueues:
                 "region %s: no event queue (%s); drains go on without events", region.key, exc
             )
             return
-        self._queues[region.key] = queue
+        self._keep(region_dir, queue)
+
+    def _keep(self, region_dir: RegionDir, queue: MessageQueue) -> None:
+        st = region_dir.lstat(EVENTS_RING)
+        handle = queue.export_handle()
+        size = RingLayout(handle.n_reader, handle.max_chunk_bytes, handle.max_chunks).total_bytes
+        if st is not None:
+            self._files[region_dir.key] = (st.st_dev, st.st_ino, size)
+        self._queues[region_dir.key] = queue
+
+    def _intact(self, region_dir: RegionDir) -> bool:
+        """The tenant owns the ring file: a truncated one would kill the agent with SIGBUS on
+        the next write to the mapping. Write only while the file is the one mapped, whole."""
+        st = region_dir.lstat(EVENTS_RING)
+        expected = self._files.get(region_dir.key)
+        return (
+            st is not None
+            and expected is not None
+            and (st.st_dev, st.st_ino) == expected[:2]
+            and st.st_size >= expected[2]
+        )
 
     @staticmethod
     def _resume(region_dir: RegionDir) -> MessageQueue:
@@ -78,17 +99,26 @@ class RegionEventQueues:
     def publish(self, region_dir: RegionDir, event: DrainEvent) -> None:
         key = region_dir.key
         try:
+            if key not in self._queues and region_dir.lstat(EVENTS_RING) is not None:
+                self._keep(region_dir, self._resume(region_dir))
             queue = self._queues.get(key)
-            if queue is None and region_dir.lstat(EVENTS_RING) is not None:
-                queue = self._queues[key] = self._resume(region_dir)
-            if queue is not None:
-                queue.enqueue(event.to_message(), timeout=ENQUEUE_TIMEOUT_SECONDS)
+            if queue is None:
+                return
+            if not self._intact(region_dir):
+                # never touched again (closing writes to it too); the drain goes on without it
+                self._queues.pop(key)
+                log.warning("region %s: its event ring was truncated or replaced; no event", key)
+                return
+            queue.enqueue(event.to_message(), timeout=ENQUEUE_TIMEOUT_SECONDS)
         except (IpcError, OSError, ValueError) as exc:
             log.warning("region %s: drain event not delivered (%s)", key, exc)
 
-    def close(self, key: str) -> None:
+    def close(self, region_dir: RegionDir) -> None:
+        key = region_dir.key
+        intact = self._intact(region_dir)
+        self._files.pop(key, None)
         queue = self._queues.pop(key, None)
-        if queue is not None:
+        if queue is not None and intact:  # closing writes to the ring too
             try:
                 queue.close()
             except (IpcError, OSError) as exc:
