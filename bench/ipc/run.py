@@ -1,6 +1,6 @@
 """kvshm.ipc MessageQueue against multiprocessing.Queue (one queue per reader), same run.
 
-    .venv/bin/python bench/ipc/run.py [--quick] [--cases 64x1,16Mx4,...]
+    .venv/bin/python bench/ipc/run.py [--quick] [--repeat 3] [--cases 64x1,16Mx4,...]
 
 The writer and every reader are separate processes (spawned). Each case runs both
 implementations twice: a throughput run (the writer sends as fast as it can; messages/s is
@@ -186,7 +186,7 @@ class Result:
     p99_us: float
 
 
-def measure(case: Case, runs: list[Any]) -> list[Result]:
+def one_round(case: Case, runs: list[Any]) -> list[Result]:
     """Throughput of each implementation, then latency of each, paced the same for all and
     slower than the slowest one's service time, so that no message waits behind another."""
     rates = [case.throughput_messages / run(case, case.throughput_messages, 0.0)[0] for run in runs]
@@ -206,6 +206,35 @@ def measure(case: Case, runs: list[Any]) -> list[Result]:
     return results
 
 
+@dataclass
+class Comparison:
+    base: Result  # medians over the rounds
+    ours: Result
+    rate_ratios: list[float]  # ours / base, per round (both measured back to back)
+    p50_ratios: list[float]
+
+
+def measure(case: Case, repeats: int) -> Comparison:
+    """`repeats` rounds, the two implementations back to back in each: a shared machine's
+    load changes between rounds, so ratios are taken within a round and then the median."""
+    rounds = [one_round(case, [run_mp, run_kvshm]) for _ in range(repeats)]
+
+    def median_result(which: int) -> Result:
+        return Result(
+            *(
+                statistics.median(getattr(round_[which], field) for round_ in rounds)
+                for field in ("messages_per_s", "bytes_per_s", "p50_us", "p99_us")
+            )
+        )
+
+    return Comparison(
+        median_result(0),
+        median_result(1),
+        [ours.messages_per_s / base.messages_per_s for base, ours in rounds],
+        [ours.p50_us / base.p50_us for base, ours in rounds],
+    )
+
+
 # (size, readers): (minimum throughput ratio, maximum p50 ratio) set by the issue
 GOALS: dict[tuple[int, int], tuple[float, float | None]] = {
     (64, 1): (1.5, 0.5),
@@ -214,6 +243,10 @@ GOALS: dict[tuple[int, int], tuple[float, float | None]] = {
     (16 * MIB, 1): (3.0, None),
     (16 * MIB, 4): (3.0, None),
 }
+
+
+def spread(ratios: list[float]) -> str:
+    return f"{statistics.median(ratios):5.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def verdict(case: Case, throughput_ratio: float, p50_ratio: float) -> str:
@@ -230,6 +263,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a fifth of the messages")
     parser.add_argument("--cases", help="comma-separated size x readers, e.g. 64x1,16Mx4")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds per case (median)")
     args = parser.parse_args()
     cases = make_cases(args.quick)
     if args.cases:
@@ -239,24 +273,25 @@ def main() -> None:
         f"nproc={os.cpu_count()} cpu={cpu_model()} python={platform.python_version()} "
         f"fence={FENCE_KIND}"
     )
+    print(f"medians of {args.repeat} rounds; ratios: median (min-max) of the rounds' ratios")
     header = (
         f"{'case':>12} {'impl':>9} {'msgs/s':>10} {'MB/s':>9} {'p50 us':>9} {'p99 us':>9}"
-        f" {'x msgs/s':>9} {'x p50':>7}  ring, goal"
+        f" {'x msgs/s':>19} {'x p50':>19}  ring, goal"
     )
     print(header)
     for case in cases:
-        base, ours = measure(case, [run_mp, run_kvshm])
-        for name, result in (("mp.Queue", base), ("kvshm", ours)):
+        comparison = measure(case, args.repeat)
+        for name, result in (("mp.Queue", comparison.base), ("kvshm", comparison.ours)):
             line = (
                 f"{case.label:>12} {name:>9} {result.messages_per_s:10.0f} "
                 f"{result.bytes_per_s / 1e6:9.1f} {result.p50_us:9.1f} {result.p99_us:9.1f}"
             )
             if name == "kvshm":
-                rate_ratio = ours.messages_per_s / base.messages_per_s
-                p50_ratio = ours.p50_us / base.p50_us
+                rate_ratio = statistics.median(comparison.rate_ratios)
+                p50_ratio = statistics.median(comparison.p50_ratios)
                 line += (
-                    f" {rate_ratio:8.2f}x {p50_ratio:6.2f}x  {case.chunks}x{case.chunk_bytes} B"
-                    f"  {verdict(case, rate_ratio, p50_ratio)}"
+                    f" {spread(comparison.rate_ratios):>19} {spread(comparison.p50_ratios):>19}"
+                    f"  {case.chunks}x{case.chunk_bytes} B  {verdict(case, rate_ratio, p50_ratio)}"
                 )
             print(line, flush=True)
 
