@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from http.server import ThreadingHTTPServer
 
+from kvshm.agent.errors import describe
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostingSettings
 from kvshm.agent.local.console import ConsoleSink
@@ -99,7 +100,7 @@ def build_app(args: argparse.Namespace) -> AgentApp:
     try:
         root = RegionRoot(args.root)
     except (RegionError, OSError) as exc:
-        raise AgentStartError(f"cannot use the region root: {exc}") from exc
+        raise AgentStartError(f"cannot use the region root: {describe(exc)}") from exc
     metrics = AgentMetrics(agent_version())
     try:
         source, sink, unclaimed_since = _connect(args, metrics)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 
+from kvshm.agent.errors import describe
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.reports import InventoryFile, NodeInventory
 from kvshm.agent.saferoot import RegionDir, RegionRoot
@@ -83,7 +84,9 @@ class InventoryScanner:
             except FileNotFoundError:
                 continue
             except (UnsafePathError, OSError) as exc:
-                problems.append(f"{path}: could not probe holders ({exc}); counted as held")
+                problems.append(
+                    f"{path}: could not probe holders ({describe(exc)}); counted as held"
+                )
                 held = True
             found.append(
                 InventoryFile(

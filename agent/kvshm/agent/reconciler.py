@@ -216,7 +216,7 @@ class NodeReconciler:
             try:
                 step = self._drainer.advance(drain)
             except (RegionError, OSError) as exc:
-                drain.message = f"drain failed, retried on the next pass: {exc}"
+                drain.message = f"drain failed, retried on the next pass: {describe(exc)}"
                 self._counters.error(ErrorReason.DRAIN)
                 continue
             drain.message = step.message
@@ -300,7 +300,7 @@ class NodeReconciler:
             self.root.ensure_region_dir(region.namespace, region.name, region.access).close()
             hosted.set_access()
         except (RegionError, OSError) as exc:
-            self._fail(region, classify(exc), f"could not apply spec.access: {exc}")
+            self._fail(region, classify(exc), f"could not apply spec.access: {describe(exc)}")
 
     def _open(self, region: OffloadRegion) -> None:
         """Create or adopt the region's file and start populating it."""
