@@ -375,3 +375,22 @@ def test_other_agents_status_patches_do_not_wake_this_agent(
         patch_region(kube_api, "team", "quiet", {"spec": {"lock": False}})  # a spec change does
         wait_for(lambda: node_status(kube_api, region, NODE).get("locked") is False, 10, "unlock")
         assert len(passes) >= 1
+
+
+def test_a_deleted_offload_node_is_made_again(
+    kube_api: KubeApi, kubeconfig: Path, shm_dir: Path
+) -> None:
+    setup_cluster(kube_api, "team", nodes={NODE: {}})
+    with running_agent(kubeconfig, NODE, shm_dir / "root"):
+        wait_for(lambda: (offload_node(kube_api, NODE).get("status") or {}).get("heartbeat"), 10)
+        kube_api.call(
+            lambda s: s.delete(s.resource("kvshm.dev", "v1alpha1", "offloadnodes"), None, NODE)
+        )
+
+        def heartbeat() -> str | None:
+            try:
+                return (offload_node(kube_api, NODE).get("status") or {}).get("heartbeat")
+            except Exception:  # not found yet
+                return None
+
+        assert wait_for(heartbeat, 15, "a new OffloadNode with a heartbeat")

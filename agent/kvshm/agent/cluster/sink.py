@@ -8,6 +8,7 @@ named after it) has this agent as its only status writer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -110,6 +111,10 @@ class ClusterSink:
             )
         except ApiException as exc:
             self._api_error(f"patching OffloadNode {self.node_name}", exc)
+            if exc.status == 404:  # someone deleted it: make it again, report on the next pass
+                self._node_status = None
+                with contextlib.suppress(ApiException):
+                    self.ensure_node()
             return
         self._node_status, self._node_status_at = steady, time.monotonic()
 
