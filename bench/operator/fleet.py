@@ -64,7 +64,7 @@ class Fleet:
     # -- set-up ------------------------------------------------------------------------------
     def register(self) -> None:
         for node in self.nodes.values():
-            self.core.create_node({"metadata": {"name": node.name}})
+            self.core.create_node({"metadata": {"name": node.name}})  # type: ignore[arg-type]
             self.custom.create_cluster_custom_object(
                 GROUP,
                 VERSION,
