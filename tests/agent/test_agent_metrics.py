@@ -103,7 +103,7 @@ def test_values_follow_what_the_reconciler_did(scraped: tuple[str, str]) -> None
     assert values[("kvshm_agent_allocated_bytes", ())] == size
     assert values[("kvshm_agent_populated_bytes", ())] == size
     assert values[("kvshm_agent_locked_bytes", ())] == size
-    assert values[("kvshm_agent_populated_bytes_total", ())] == 2 * size  # "ok" and "gone"
+    assert values[("kvshm_agent_populate_bytes_total", ())] == 2 * size  # "ok" and "gone"
     assert values[("kvshm_agent_populate_seconds_count", ())] == 2
     assert values[("kvshm_agent_orphaned_files", ())] == 1
     assert values[("kvshm_agent_orphaned_bytes", ())] == 8192

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from tests.agent.builders import local_agent, manifest
 from tests.charts.rendering import EXAMPLE_VALUES, find, pod_specs, render, values_id
 
-AGENT_DEFAULT_CAPS = {"IPC_LOCK", "CHOWN", "FOWNER"}
+AGENT_DEFAULT_CAPS = {"IPC_LOCK", "CHOWN", "FOWNER", "DAC_OVERRIDE"}
 
 
 def _containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -213,3 +216,41 @@ def test_each_role_is_bound_to_its_own_service_account_only(component: str) -> N
 def test_rbac_can_be_left_to_the_cluster_admin() -> None:
     objects = render(sets=("rbac.create=false", "crds.upgradeJob.enabled=false"))
     assert not [o for o in objects if o["kind"].endswith(("Role", "RoleBinding"))]
+
+
+def _run_agent_with_capabilities(caps: set[str], regions: Path, root: Path) -> str:
+    """The real agent, as root holding only `caps` (as the chart's container would)."""
+    bounding = ",".join(["-all", *(f"+{cap.lower()}" for cap in sorted(caps))])
+    done = subprocess.run(
+        [
+            "setpriv",
+            "--inh-caps=-all",
+            f"--bounding-set={bounding}",
+            "--",
+            *local_agent(regions, root, "--once", "--no-http"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.stdout
+
+
+def test_the_rendered_capabilities_are_enough_for_a_tenant_owned_region(shm_dir: Path) -> None:
+    """With exactly the DaemonSet's capabilities the agent creates, locks and (after a restart)
+    adopts a region owned by the serving pod's uid; one capability fewer and it cannot."""
+    _, spec = _agent(render())
+    caps = set(spec["containers"][0]["securityContext"]["capabilities"]["add"])
+    regions = shm_dir / "regions"
+    regions.mkdir()
+    document = manifest("owned", "team", access={"uid": 4321, "gid": 4321})
+    (regions / "r.yaml").write_text(yaml.safe_dump(document))
+    for attempt in ("create", "restart"):
+        out = _run_agent_with_capabilities(caps, regions, shm_dir / "root")
+        assert "team/owned  Ready" in out, f"{attempt}: {out}"
+    region_file = shm_dir / "root/team/owned/vllm_offload_owned.mmap"
+    assert (region_file.stat().st_uid, region_file.stat().st_gid) == (4321, 4321)
+    out = _run_agent_with_capabilities(caps - {"DAC_OVERRIDE"}, regions, shm_dir / "root")
+    assert "team/owned  Failed" in out and "needs CAP_DAC_OVERRIDE" in out

@@ -85,7 +85,7 @@ def test_every_contract_metric_is_on_a_dashboard_or_in_an_alert() -> None:
                 "kvshm_agent_root_capacity_bytes",
                 "kvshm_agent_root_free_bytes",
                 "kvshm_agent_regions",
-                "kvshm_agent_populated_bytes_total",
+                "kvshm_agent_populate_bytes_total",
                 "kvshm_agent_populate_seconds",
                 "kvshm_agent_orphaned_bytes",
                 "kvshm_agent_reclaims_total",

@@ -1,9 +1,7 @@
 """The agent's Prometheus metrics, named exactly as docs/metrics.md lists them.
 
 Gauges are read from the latest reconcile pass when scraped, so a region that is gone has no
-series left behind. Served as the Prometheus text format (0.0.4): the contract has both a gauge
-kvshm_agent_populated_bytes and a counter kvshm_agent_populated_bytes_total, which OpenMetrics
-would read as one family twice.
+series left behind. Served as the Prometheus text format (0.0.4).
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ class _PassCollector:
         with self._lock:
             result, heartbeat, populated_total = self._result, self._heartbeat, self.populated_total
         yield CounterMetricFamily(
-            "kvshm_agent_populated_bytes",
+            "kvshm_agent_populate_bytes",
             "Bytes populated (throughput: its rate over the rate of populate_seconds_sum).",
             value=populated_total,
         )
