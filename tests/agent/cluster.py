@@ -8,17 +8,15 @@ import os
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from kvshm.agent.app import AgentApp, build_app
 from kvshm.agent.cli import build_parser
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
 from tests.kube.runner import KubeApi
 
-T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -69,17 +67,6 @@ def agent_process(kubeconfig: Path, node: str, root: Path, *extra: str) -> subpr
         cwd=REPO,
         env=env,
     )
-
-
-def wait_for(check: Callable[[], T | None], timeout: float = 20.0, what: str = "") -> T:
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or check}: {last!r}")
 
 
 def setup_cluster(api: KubeApi, *namespaces: str, nodes: dict[str, dict[str, str]]) -> None:

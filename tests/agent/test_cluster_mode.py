@@ -23,9 +23,9 @@ from tests.agent.cluster import (
     region_patches,
     running_agent,
     setup_cluster,
-    wait_for,
 )
 from tests.kube.runner import KubeApi
+from tests.waiting import wait_for
 
 NODE = "node-a"
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import yaml
 
 from tests.agent.builders import local_agent, manifest
-from tests.agent.cluster import REPO, wait_for
+from tests.agent.cluster import REPO
+from tests.waiting import wait_for
 
 EXAMPLES = REPO / "examples" / "regions"
 

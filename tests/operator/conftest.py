@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.kube.runner import KubeApi
-from tests.operator.harness import NAMESPACE, Agent, Cluster, wait_for
+from tests.operator.harness import NAMESPACE, Agent, Cluster
+from tests.waiting import wait_for
 
 NODES = ("node-a", "node-b")
 

@@ -9,11 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import kopf
 import kubernetes
@@ -23,8 +22,8 @@ from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
 from kvshm.operator.config import ENV_PREFIX, OperatorConfig
 from kvshm.operator.main import register
 from tests.kube.runner import KubeApi
+from tests.waiting import wait_for
 
-T = TypeVar("T")
 NAMESPACE = "team"
 
 # Fast enough for tests, slow enough for a 2-core CI machine under load.
@@ -51,18 +50,6 @@ def config_environment(config: OperatorConfig) -> dict[str, str]:
         env[ENV_PREFIX + item.name.upper()] = str(getattr(value, "value", value))
     env[ENV_PREFIX + "PEERING_MODE"] = "standalone"
     return env
-
-
-def wait_for(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
-    """The first truthy probe() within timeout, else AssertionError naming what was awaited."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 class Cluster:

@@ -24,8 +24,8 @@ from tests.operator.harness import (
     OperatorProcess,
     operator_in_loop,
     operator_in_thread,
-    wait_for,
 )
+from tests.waiting import wait_for
 
 GRACE = TEST_CONFIG.orphan_grace_seconds
 
