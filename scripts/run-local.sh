@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The main job, locally (no cluster, no GPU): set up .venv, then create, populate and lock the
-# example region and attach to it from one process per worker, reporting what was done and how
-# fast. Extra arguments go to `kvshm demo` (e.g. --blocks 65536 for 16 GiB).
+# The main job, locally (no cluster, no GPU): set up .venv, then run the node agent in local mode
+# on examples/regions: it creates, populates and locks each region under /dev/shm/kvshm, prints
+# status as it goes and serves /metrics, /healthz and /readyz on :9464 until Ctrl-C. Editing or
+# deleting a YAML file changes or drains the region. Extra arguments go to kvshm-agent, e.g.
+# --once (reconcile, print the table, exit) or --root DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
-exec "$VENV/bin/kvshm" demo examples/regions/demo.yaml "$@"
+exec "$VENV/bin/kvshm-agent" --local examples/regions "$@"
