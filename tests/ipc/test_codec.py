@@ -125,6 +125,11 @@ def test_a_new_message_drops_the_unfinished_one() -> None:
     assert assembler.drop("nothing pending") == 0
 
 
+def test_an_absurd_fragment_total_is_reported_not_allocated() -> None:
+    with pytest.raises(RingFormatError, match="announces"):
+        FragmentAssembler().add(fragment(0, 1 << 62, b""))
+
+
 def test_damaged_messages_are_reported_not_misread() -> None:
     chunk = bytearray(64)
     struct.pack_into(">BHI", chunk, 0, 0, 1, 1000)

@@ -34,6 +34,7 @@ LENGTH = struct.Struct(">I")
 FRAGMENT = struct.Struct(">BBQ")  # overflow flag (1), first (0) or not (1), total or offset
 FIRST, CONTINUATION = 0, 1
 _MAX_BUFFERS = 0xFFFF
+MAX_MESSAGE_BYTES = 1 << 40  # a first fragment announcing more is damage, not a message
 _NO_CHUNK = memoryview(bytearray())
 
 
@@ -202,6 +203,11 @@ class FragmentAssembler:
         if kind == FIRST:
             if self._body is not None:
                 self.drop("a new message began before it was complete")
+            if value > MAX_MESSAGE_BYTES:
+                raise RingFormatError(
+                    f"damaged message: its first fragment announces {value} bytes; the ring "
+                    f"was written by something other than kvshm"
+                )
             self._body = bytearray(value)
             self._filled = 0
         elif self._body is None or value != self._filled:
