@@ -270,12 +270,13 @@ def test_a_gone_node_loses_its_offload_node_and_its_place_in_region_status(
         cluster.delete_node("node-b")
         wait_for(
             lambda: cluster.offload_node("node-b") is None,
-            TEST_CONFIG.agent_silence_seconds + 15,
+            # generous: on CI's 2 busy cores the timers that notice a gone node run late
+            TEST_CONFIG.agent_silence_seconds + 45,
             "the OffloadNode of the gone node to be removed",
         )
         wait_for(
             lambda: "node-b" not in (cluster.status("r1").get("nodes") or {}),
-            10,
+            30,
             "node-b to leave the region's status",
         )
         status = cluster.wait_phase("r1", "Ready", timeout=10)

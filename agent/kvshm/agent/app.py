@@ -12,13 +12,13 @@ from datetime import datetime
 from http.server import ThreadingHTTPServer
 
 from kvshm.agent.errors import describe
+from kvshm.agent.eventwriter import IsolatedEventQueues
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostingSettings
 from kvshm.agent.local.console import ConsoleSink
 from kvshm.agent.local.source import LocalDirectorySource
 from kvshm.agent.loop import AgentLoop, RegionSource, StatusSink, Wakeup
 from kvshm.agent.metrics import AgentMetrics
-from kvshm.agent.notify import build_notifier
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.saferoot import RegionRoot
 from kvshm.agent.server import Health, serve
@@ -110,7 +110,7 @@ def build_app(args: argparse.Namespace) -> AgentApp:
     wakeup = Wakeup()
     reconciler = NodeReconciler(
         root,
-        build_notifier(),
+        IsolatedEventQueues(),
         _settings(args),
         holds=HoldChecker(proc_scan=args.proc_scan),
         counters=metrics,

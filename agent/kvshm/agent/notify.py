@@ -12,9 +12,10 @@ probe and grace period still decide removal).
 from __future__ import annotations
 
 import logging
+import os
+from typing import Protocol
 
 from kvshm.agent.drain import DrainEvent
-from kvshm.agent.saferoot import RegionDir
 from kvshm.api import OffloadRegion
 from kvshm.ipc import IpcError, MessageQueue, RingLayout, WaitPolicy
 
@@ -34,6 +35,18 @@ def reader_slots(region: OffloadRegion) -> int:
     return min(MAX_READERS, 2 * region.layout.num_workers)
 
 
+class RingDirectory(Protocol):
+    """What the queues need of a region directory: its key and a race-free path to it."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def fd_path(self) -> str: ...
+
+    def lstat(self, file_name: str) -> os.stat_result | None: ...
+
+
 class RegionEventQueues:
     """The agent's writer end of every region's event queue, by region key."""
 
@@ -41,7 +54,7 @@ class RegionEventQueues:
         self._queues: dict[str, MessageQueue] = {}
         self._files: dict[str, tuple[int, int, int]] = {}  # key -> (dev, inode, size) mapped
 
-    def prepare(self, region_dir: RegionDir, region: OffloadRegion) -> None:
+    def prepare(self, region_dir: RingDirectory, region: OffloadRegion) -> None:
         """Create the region's queue, or take over writing an existing one (agent restart)."""
         if region.key in self._queues:
             return
@@ -67,7 +80,7 @@ class RegionEventQueues:
             return
         self._keep(region_dir, queue)
 
-    def _keep(self, region_dir: RegionDir, queue: MessageQueue) -> None:
+    def _keep(self, region_dir: RingDirectory, queue: MessageQueue) -> None:
         st = region_dir.lstat(EVENTS_RING)
         handle = queue.export_handle()
         size = RingLayout(handle.n_reader, handle.max_chunk_bytes, handle.max_chunks).total_bytes
@@ -75,7 +88,7 @@ class RegionEventQueues:
             self._files[region_dir.key] = (st.st_dev, st.st_ino, size)
         self._queues[region_dir.key] = queue
 
-    def _intact(self, region_dir: RegionDir) -> bool:
+    def _intact(self, region_dir: RingDirectory) -> bool:
         """The tenant owns the ring file: a truncated one would kill the agent with SIGBUS on
         the next write to the mapping. Write only while the file is the one mapped, whole."""
         st = region_dir.lstat(EVENTS_RING)
@@ -88,7 +101,7 @@ class RegionEventQueues:
         )
 
     @staticmethod
-    def _resume(region_dir: RegionDir) -> MessageQueue:
+    def _resume(region_dir: RingDirectory) -> MessageQueue:
         return MessageQueue.resume_writer(
             f"{region_dir.fd_path}/{EVENTS_RING}",
             wait_policy=_WAITS,
@@ -96,7 +109,7 @@ class RegionEventQueues:
             attach_timeout=ENQUEUE_TIMEOUT_SECONDS,
         )
 
-    def publish(self, region_dir: RegionDir, event: DrainEvent) -> None:
+    def publish(self, region_dir: RingDirectory, event: DrainEvent) -> None:
         key = region_dir.key
         try:
             if key not in self._queues and region_dir.lstat(EVENTS_RING) is not None:
@@ -113,7 +126,7 @@ class RegionEventQueues:
         except (IpcError, OSError, ValueError) as exc:
             log.warning("region %s: drain event not delivered (%s)", key, exc)
 
-    def close(self, region_dir: RegionDir) -> None:
+    def close(self, region_dir: RingDirectory) -> None:
         key = region_dir.key
         intact = self._intact(region_dir)
         self._files.pop(key, None)
@@ -124,9 +137,5 @@ class RegionEventQueues:
             except (IpcError, OSError) as exc:
                 log.warning("region %s: closing its event queue: %s", key, exc)
 
-    def file_names(self, region_dir: RegionDir) -> list[str]:
+    def file_names(self, region_dir: RingDirectory) -> list[str]:
         return [EVENTS_RING]
-
-
-def build_notifier() -> RegionEventQueues:
-    return RegionEventQueues()
