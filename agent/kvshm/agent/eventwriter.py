@@ -112,7 +112,9 @@ class IsolatedEventQueues:
     def publish(self, region_dir: RegionDir, event: DrainEvent) -> None:
         with self._lock:
             if region_dir.key in self._broken:
-                log.warning("region %s: its event ring broke the event writer; no event", event)
+                log.warning(
+                    "region %s: its event ring broke the event writer; no event", region_dir.key
+                )
                 return
             self._call("publish", region_dir.key, region_dir.fd, event)
 
@@ -133,19 +135,14 @@ class IsolatedEventQueues:
         """Stop the child (the rings stay; a restarted agent resumes them)."""
         with self._lock:
             self._stopping = True
-            self._shutdown()
-
-    def _shutdown(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        if self._process is not None:
-            self._process.join(5)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join()
-        for fd, _ in self._open.values():
-            os.close(fd)
-        self._open.clear()
+            if self._conn is not None:
+                self._conn.close()  # the child exits on EOF, leaving its rings in place
+            if self._process is not None:
+                self._process.join(5)
+            self._stop_dead_child()
+            for fd, _ in self._open.values():
+                os.close(fd)
+            self._open.clear()
 
     # -- the child ---------------------------------------------------------------------------
 
@@ -154,25 +151,29 @@ class IsolatedEventQueues:
 
     def _call(self, command: str, key: str, dir_fd: int, payload: Any) -> None:
         if not self.writer_running():
-            self._start()
+            self._restart()
             if not self.writer_running():
                 log.warning("region %s: no event writer running; no event %s", key, command)
                 return
         try:
             reply = self._send(command, key, dir_fd, payload)
         except (EOFError, OSError, TimeoutError) as exc:
-            # it died (or hung) on this region's ring: the likeliest cause is that ring
-            self._broken.add(key)
-            self._stop_dead_child()
-            log.warning(
-                "region %s: the event writer died or hung while writing its ring (%s): no more "
-                "events for this region; the writer restarts for the others",
-                key,
-                exc or type(exc).__name__,
-            )
+            self._lose(key, "died or hung while writing its ring", exc)
             return
         if reply[0] != "ok":
             log.warning("region %s: event %s failed: %s", key, command, reply[1])
+
+    def _lose(self, key: str, what: str, exc: BaseException) -> None:
+        """The child died (or hung) on this region's ring: the likeliest cause is that ring."""
+        self._broken.add(key)
+        self._stop_dead_child()
+        log.warning(
+            "region %s: the event writer %s (%s): no more events for this region; the writer "
+            "restarts for the others",
+            key,
+            what,
+            exc or type(exc).__name__,
+        )
 
     def _send(self, command: str, key: str, dir_fd: int, payload: Any) -> tuple[str, str]:
         assert self._conn is not None and self._process is not None
@@ -183,10 +184,14 @@ class IsolatedEventQueues:
         reply: tuple[str, str] = self._conn.recv()
         return reply
 
-    def _start(self) -> None:
+    def _restart(self) -> None:
+        """Start a child (after stopping a dead one) that takes over every open region's ring,
+        so their workers keep a live writer."""
         if self._process is not None:
+            log.warning(
+                "the event writer exited (code %s); starting another", self._process.exitcode
+            )
             self._stop_dead_child()
-            log.warning("the event writer exited; starting another")
         ours, theirs = self._context.Pipe()
         process = self._context.Process(
             target=serve, args=(theirs,), name="kvshm-event-writer", daemon=True
@@ -197,25 +202,20 @@ class IsolatedEventQueues:
         threading.Thread(
             target=self._watch, args=(process,), name="kvshm-event-writer-watch", daemon=True
         ).start()
-        # a new writer takes over every open region's ring, so their workers keep a live writer
         for key, (fd, region) in list(self._open.items()):
             if key not in self._broken:
                 try:
                     self._send("prepare", key, fd, region)
                 except (EOFError, OSError, TimeoutError) as exc:
-                    self._broken.add(key)
-                    self._stop_dead_child()
-                    log.warning("region %s: resuming its ring killed the writer: %s", key, exc)
+                    self._lose(key, "died while resuming its ring", exc)
                     return
 
     def _watch(self, process: BaseProcess) -> None:
         """Replace a child that died between calls at once, so other regions keep a writer."""
         wait([process.sentinel])
         with self._lock:
-            if self._stopping or self._process not in (process, None):
-                return
-            log.warning("the event writer exited (code %s)", process.exitcode)
-            self._start()
+            if not self._stopping and self._process in (process, None):
+                self._restart()
 
     def _stop_dead_child(self) -> None:
         if self._conn is not None:
