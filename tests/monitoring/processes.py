@@ -8,10 +8,11 @@ import os
 import signal
 import socket
 import subprocess
-import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+from tests import waiting
 
 
 def free_port() -> int:
@@ -64,14 +65,13 @@ def wait_for(
     what: str, condition: Callable[[], bool], timeout: float, *watched: Background
 ) -> None:
     """Poll condition until true; fail naming `what` (and any watched process that died)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def probe() -> bool:
         for process in watched:
             process.check_running()
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        return condition()
+
+    waiting.wait_for(probe, timeout, what, interval=0.2)
 
 
 def http_ok(url: str) -> bool:

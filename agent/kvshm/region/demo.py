@@ -122,7 +122,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return 1 if failed else 0
     finally:
         if args.keep:
-            owner._unlink_on_cleanup = False
+            owner.keep_file()
             print(f"  kept {owner.mmap_path}")
         owner.cleanup()
 

@@ -212,6 +212,10 @@ class SharedOffloadRegion:
                 raise RegionSizeMismatchError(self.mmap_path, actual, expected)
             self._sleep_or_timeout(deadline, poll_interval, f"did not reach {expected} bytes")
 
+    def keep_file(self) -> None:
+        """Leave the file in place at cleanup, even if this process created it."""
+        self._unlink_on_cleanup = False
+
     def fileno(self) -> int:
         """The region file's descriptor, valid until cleanup(). The kvshm agent uses it to drop
         its own shared flock, so that only other processes count as holders."""
@@ -293,26 +297,27 @@ class SharedOffloadRegion:
             return True
         cudart, reason = cuda_runtime()
         if cudart is None:
-            log.warning("region %s not pinned: %s; copies will be slower", self.mmap_path, reason)
-            return False
+            return self._not_pinned(reason)
         # Map every page into this process in parallel first: cudaHostRegister faults pages
         # in one thread, and an attacher of an agent-populated region has no page-table
         # entries yet (measured: halves registration time of 16 GiB on 4 KiB pages).
         try:
             self._map_all_pages()
         except OSError as exc:
-            log.warning("region %s not pinned: %s; copies will be slower", self.mmap_path, exc)
-            return False
+            return self._not_pinned(exc)
         registration = CudaRegistration(
             cudart, self.address, self.layout.row_aligned_chunks(max_chunk_bytes)
         )
         try:
             registration.register()
         except OSError as exc:
-            log.warning("region %s not pinned: %s; copies will be slower", self.mmap_path, exc)
-            return False
+            return self._not_pinned(exc)
         self._registration = registration
         return True
+
+    def _not_pinned(self, reason: object) -> bool:
+        log.warning("region %s not pinned: %s; copies will be slower", self.mmap_path, reason)
+        return False
 
     # -- views -----------------------------------------------------------------------------
 
@@ -349,7 +354,8 @@ class SharedOffloadRegion:
         return view
 
     def create_kv_memoryview(self) -> memoryview:
-        """Zero-copy memoryview shaped (num_blocks, row_stride): block b is view[b]."""
+        """Zero-copy memoryview shaped (num_blocks, row_stride), vLLM's shape. CPython cannot
+        take a row of a 2-D memoryview: use view[b, i], numpy.asarray(view)[b] or view.cast("B")."""
         assert self._mapping is not None
         view = memoryview(self._mapping).cast("B", (self.layout.num_blocks, self.layout.row_stride))
         self._memoryviews.append(view)
