@@ -57,7 +57,9 @@ def build_backends(
         reason = unmapped_reason(driver, pairs.cpu)
     if reason is None:
         device = torch.device("cuda", device_index)
-        backends["kernel"] = KernelBackend(device, options.kernel_chunk_bytes)
+        backends["kernel"] = KernelBackend(
+            device, options.kernel_chunk_bytes, programs_per_sm=options.kernel_programs_per_sm
+        )
     else:
         unavailable["kernel"] = reason
     return backends, unavailable

@@ -16,11 +16,10 @@ import torch
 from kvshm.transfer.backends.base import CopyBackend, Stream
 from kvshm.transfer.backends.cuda_driver import CudaDriver
 from kvshm.transfer.batch import CopyBatch
-from kvshm.transfer.options import DEFAULT_KERNEL_CHUNK_BYTES
+from kvshm.transfer.options import DEFAULT_KERNEL_CHUNK_BYTES, DEFAULT_KERNEL_PROGRAMS_PER_SM
 from kvshm.transfer.pointers import RowGeometry
 
 DEFAULT_NUM_WARPS = 4
-MAX_CHUNKS_PER_COPY = 65535  # CUDA's limit on the grid's second dimension
 
 
 def unmapped_reason(driver: CudaDriver, cpu_geometries: Sequence[RowGeometry]) -> str | None:
@@ -52,32 +51,35 @@ class KernelBackend(CopyBackend):
         device: torch.device,
         chunk_bytes: int = DEFAULT_KERNEL_CHUNK_BYTES,
         num_warps: int = DEFAULT_NUM_WARPS,
+        programs_per_sm: int = DEFAULT_KERNEL_PROGRAMS_PER_SM,
     ) -> None:
         if chunk_bytes < 16 or chunk_bytes & (chunk_bytes - 1):
             raise ValueError(f"chunk_bytes must be a power of two >= 16, got {chunk_bytes}")
+        if programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
         from kvshm.transfer.backends.triton_copy import copy_blocks_kernel
 
         self._kernel: Any = copy_blocks_kernel
-        self._device = device
         self._chunk = chunk_bytes
         self._num_warps = num_warps
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._max_programs = programs_per_sm * sms
 
     def copy(self, batch: CopyBatch, stream: Stream) -> object:
         if batch.count == 0:
             return None
         chunks = -(-int(batch.sizes.max()) // self._chunk)
-        if chunks > MAX_CHUNKS_PER_COPY:
-            raise ValueError(
-                f"a copy of {int(batch.sizes.max())} bytes needs {chunks} chunks of "
-                f"{self._chunk} bytes, more than the grid allows: use a larger chunk_bytes"
-            )
-        # staged through pinned memory so the upload is asynchronous (torch's host allocator
-        # reuses it only after the copy); the device table is allocated on the job's stream,
-        # so the caching allocator reuses it only after the kernel, in stream order
-        staged = torch.empty((3, batch.count), dtype=torch.int64, pin_memory=True)
-        staged.copy_(batch.table)
-        table = torch.empty((3, batch.count), dtype=torch.int64, device=self._device)
-        table.copy_(staged, non_blocking=True)
-        grid = (batch.count, chunks)
-        self._kernel[grid](table, batch.count, CHUNK_BYTES=self._chunk, num_warps=self._num_warps)
+        # the kernel reads the table from pinned memory, so no copy engine uploads it (an
+        # upload would queue behind the other direction's DMA); the caller keeps the table
+        # alive until the kernel is done, and only then may torch's host allocator reuse it
+        table = torch.empty((3, batch.count), dtype=torch.int64, pin_memory=True)
+        table.copy_(batch.table)
+        grid = (min(batch.count * chunks, self._max_programs),)
+        self._kernel[grid](
+            table.data_ptr(),
+            batch.count,
+            chunks,
+            CHUNK_BYTES=self._chunk,
+            num_warps=self._num_warps,
+        )
         return table

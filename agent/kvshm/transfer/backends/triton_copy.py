@@ -1,8 +1,9 @@
-"""The copy kernel: each program moves one chunk of one copy with 16-byte loads and stores.
+"""The copy kernel: a bounded grid of programs, each moving 16-byte words chunk by chunk.
 
 Host addresses are registered memory, which on a system with unified addressing the GPU
 reads and writes at the same address (cudaHostRegister's default flags map it), so the
-kernel treats every address alike. Importing this module imports Triton: do it lazily.
+kernel treats every address alike; it reads its descriptor table from pinned host memory
+too. Importing this module imports Triton: do it lazily.
 """
 
 from __future__ import annotations
@@ -12,18 +13,24 @@ import triton.language as tl
 
 
 @triton.jit
-def copy_blocks_kernel(table_ptr, count, CHUNK_BYTES: tl.constexpr):  # type: ignore[no-untyped-def]
-    """table is (3, count) int64: sources, destinations, sizes. Grid: (count, chunks).
+def copy_blocks_kernel(table_address, count, chunks_per_copy, CHUNK_BYTES: tl.constexpr):  # type: ignore[no-untyped-def]
+    """table is (3, count) int64 at table_address: sources, destinations, sizes.
 
-    Addresses and sizes are multiples of 16 bytes (the backend checks it), which the hints
-    below tell the compiler so that each thread moves 16 bytes per access.
+    The work is count x chunks_per_copy chunks; program p takes chunks p, p + G, p + 2G, ...
+    for a grid of G programs. A bounded grid lets the other direction's kernel (and the
+    serving engine's compute) run beside this one: a grid of one program per chunk fills
+    every SM until it drains, so two directions would take turns. Addresses and sizes are
+    multiples of 16 bytes (the backend checks it), which the hints below tell the compiler
+    so that each thread moves 16 bytes per access.
     """
-    copy = tl.program_id(0)
-    start = tl.program_id(1).to(tl.int64) * CHUNK_BYTES
-    size = tl.load(table_ptr + 2 * count + copy)
-    if start < size:
-        src = (tl.load(table_ptr + copy) + start).to(tl.pointer_type(tl.int64))
-        dst = (tl.load(table_ptr + count + copy) + start).to(tl.pointer_type(tl.int64))
+    table = table_address.to(tl.pointer_type(tl.int64))
+    total = count * chunks_per_copy
+    for work in range(tl.program_id(0), total, tl.num_programs(0)):
+        copy = work // chunks_per_copy
+        start = (work % chunks_per_copy).to(tl.int64) * CHUNK_BYTES
+        size = tl.load(table + 2 * count + copy)
+        src = (tl.load(table + copy) + start).to(tl.pointer_type(tl.int64))
+        dst = (tl.load(table + count + copy) + start).to(tl.pointer_type(tl.int64))
         src = tl.multiple_of(src, 16)
         dst = tl.multiple_of(dst, 16)
         words = tl.multiple_of((size - start) // 8, 2)

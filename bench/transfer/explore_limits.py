@@ -1,0 +1,431 @@
+"""Round three of the transfer experiments (docs/transfer.md quotes them): what limits the
+copy kernel both ways and the copy engines below 64 KiB, and what a staged copy would cost.
+
+  persistent  a copy kernel with a bounded grid that loops over the copies, one way and both
+              ways at once (is the ~52 GB/s both ways of two kernels a hardware cap, or two
+              grids that cannot share the SMs?)
+  contiguity  16 KiB DMA descriptors with the host side, the device side or both contiguous
+              (is the engines' cap the driver's cost per descriptor, or scattered addresses?)
+  gather      CPU gather/scatter of region blocks to/from a contiguous pinned buffer, by
+              thread count (what a staged copy would cost the serving pod's cores)
+
+    PYTHONPATH=agent:operator python3 bench/transfer/explore_limits.py [parts...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from bench_transfer import KIB, Setup, gbps, make_setup, median_seconds, wall
+from explore import attrs_for, batches, fixed, issue_dma, part
+
+from kvshm.transfer.backends.kernel import KernelBackend
+from kvshm.transfer.batch import CopyBatch
+
+REPS = 5
+
+
+@triton.jit
+def copy_persistent_kernel(  # type: ignore[no-untyped-def]
+    table_ptr,
+    count,
+    total,
+    CHUNKS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    LOAD_CACHE: tl.constexpr = "",
+    STORE_CACHE: tl.constexpr = "",
+    EVICT: tl.constexpr = "",
+):
+    """Like copy_blocks_kernel, but a bounded grid: program p moves chunks p, p+G, p+2G, ..."""
+    for work in range(tl.program_id(0), total, tl.num_programs(0)):
+        copy = work // CHUNKS
+        start = (work % CHUNKS).to(tl.int64) * CHUNK
+        size = tl.load(table_ptr + 2 * count + copy)
+        src = (tl.load(table_ptr + copy) + start).to(tl.pointer_type(tl.int64))
+        dst = (tl.load(table_ptr + count + copy) + start).to(tl.pointer_type(tl.int64))
+        src = tl.multiple_of(src, 16)
+        dst = tl.multiple_of(dst, 16)
+        words = tl.multiple_of((size - start) // 8, 2)
+        offsets = tl.arange(0, CHUNK // 8)
+        mask = offsets < words
+        data = tl.load(src + offsets, mask=mask, cache_modifier=LOAD_CACHE, eviction_policy=EVICT)
+        tl.store(dst + offsets, data, mask=mask, cache_modifier=STORE_CACHE, eviction_policy=EVICT)
+
+
+@triton.jit
+def copy_hosttable_kernel(table_addr, count, total, CHUNKS: tl.constexpr, CHUNK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The persistent kernel reading its descriptors from pinned host memory: no upload by
+    a copy engine, which would queue behind the other direction's DMA."""
+    table_ptr = table_addr.to(tl.pointer_type(tl.int64))
+    for work in range(tl.program_id(0), total, tl.num_programs(0)):
+        copy = work // CHUNKS
+        start = (work % CHUNKS).to(tl.int64) * CHUNK
+        size = tl.load(table_ptr + 2 * count + copy)
+        src = (tl.load(table_ptr + copy) + start).to(tl.pointer_type(tl.int64))
+        dst = (tl.load(table_ptr + count + copy) + start).to(tl.pointer_type(tl.int64))
+        src = tl.multiple_of(src, 16)
+        dst = tl.multiple_of(dst, 16)
+        words = tl.multiple_of((size - start) // 8, 2)
+        offsets = tl.arange(0, CHUNK // 8)
+        mask = offsets < words
+        tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
+
+
+def pinned(batch: CopyBatch) -> CopyBatch:
+    out = CopyBatch.allocate(batch.count, pinned=True)
+    out.rows[:] = batch.rows
+    return out.with_total(batch.total_bytes)
+
+
+def launch_hosttable(batch: CopyBatch, block: int, grid: int, chunk: int = 16 * KIB) -> None:
+    if batch.count == 0:
+        return
+    chunks = max(1, block // chunk)
+    copy_hosttable_kernel[(grid,)](
+        batch.table.data_ptr(),
+        batch.count,
+        batch.count * chunks,
+        CHUNKS=chunks,
+        CHUNK=min(chunk, block),
+        num_warps=4,
+    )
+
+
+def hosttable(setup: Setup) -> None:
+    """The kernel with descriptors in host memory: alone, both ways, and beside DMA."""
+    block = setup.block
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    jobs = {d: [pinned(b) for b in batches(setup, d)] for d in ("H2D", "D2H")}
+    n = len(jobs["D2H"])
+    half = n // 2 or 1
+    streams = {"H2D": torch.cuda.Stream(), "D2H": torch.cuda.Stream()}
+    dma_streams = {"H2D": torch.cuda.Stream(), "D2H": torch.cuda.Stream()}
+    attrs = {d: attrs_for(d) for d in ("H2D", "D2H")}
+    label = f"{block // KIB}K"
+
+    def kernel(d: str, b: CopyBatch, grid: int = 2 * sm) -> None:
+        with torch.cuda.stream(streams[d]):
+            launch_hosttable(b, block, grid)
+
+    def dma(d: str, b: CopyBatch) -> None:
+        issue_dma(b, attrs[d], dma_streams[d].cuda_stream, fixed(128))
+
+    def timed(issue: Callable[[], None], nbytes: int) -> float:
+        return gbps(nbytes, median_seconds(lambda: wall(issue), REPS))
+
+    for d in ("H2D", "D2H"):
+        for grid in (sm, 2 * sm):
+            r = timed(
+                lambda d=d, g=grid: [kernel(d, b, g) for b in jobs[d]] and None, setup.pass_bytes
+            )
+            print(f"{label} {d} hosttable kernel grid={grid}: {r:.1f} GB/s", flush=True)
+    both_bytes = 2 * half * setup.pass_bytes // n
+    for h2d_way, d2h_way in (
+        ("kernel", "kernel"),
+        ("dma", "kernel"),
+        ("kernel", "dma"),
+        ("dma", "dma"),
+    ):
+        ways = {
+            "H2D": kernel if h2d_way == "kernel" else dma,
+            "D2H": kernel if d2h_way == "kernel" else dma,
+        }
+
+        def both(ways: dict[str, Callable[[str, CopyBatch], None]] = ways) -> None:
+            # the kernel side first in each pair: its launch returns at once, DMA issue blocks
+            order = sorted(("H2D", "D2H"), key=lambda d: ways[d] is dma)
+            for k in range(half):
+                for d in order:
+                    ways[d](d, jobs[d][k] if d == "D2H" else jobs[d][n - half + k])
+
+        print(
+            f"{label} both H2D {h2d_way} + D2H {d2h_way}: {timed(both, both_bytes):.1f} GB/s",
+            flush=True,
+        )
+    if block <= 64 * KIB:
+        for d in ("H2D", "D2H"):
+            for share in (0.6, 0.7, 0.8, 0.9):
+                parts = []
+                for b in jobs[d]:
+                    k = int(b.count * share)
+                    parts.append((part(b, 0, k), part(b, k, b.count)))
+
+                def hybrid(d: str = d, parts: list[tuple[CopyBatch, CopyBatch]] = parts) -> None:
+                    for on_kernel, on_dma in parts:
+                        kernel(d, on_kernel)
+                        dma(d, on_dma)
+
+                r = timed(hybrid, setup.pass_bytes)
+                print(f"{label} {d} hybrid kernel share {share}: {r:.1f} GB/s", flush=True)
+    # the SM path on contiguous pinned memory: is scatter or the SM path itself the limit?
+    count = jobs["H2D"][0].count
+    host = torch.empty(count * block, dtype=torch.uint8, pin_memory=True)
+    for d in ("H2D", "D2H"):
+        row = 0 if d == "H2D" else 1
+        contiguous = []
+        for b in jobs[d]:
+            c = pinned(b)
+            c.rows[row] = host.data_ptr() + np.arange(b.count, dtype=np.int64) * block
+            contiguous.append(c)
+        r = timed(lambda d=d, c=contiguous: [kernel(d, b) for b in c] and None, setup.pass_bytes)
+        print(f"{label} {d} hosttable kernel, host side contiguous: {r:.1f} GB/s", flush=True)
+
+
+def device_table(batch: CopyBatch) -> torch.Tensor:
+    return batch.table.to("cuda")
+
+
+def launch_persistent(
+    table: torch.Tensor, count: int, block: int, grid: int, chunk: int, warps: int, **hints: str
+) -> None:
+    chunks = max(1, block // chunk)
+    copy_persistent_kernel[(grid,)](
+        table, count, count * chunks, CHUNKS=chunks, CHUNK=chunk, num_warps=warps, **hints
+    )
+
+
+def persistent(setup: Setup) -> None:
+    block = setup.block
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    tables = {d: [(device_table(b), b.count) for b in batches(setup, d)] for d in ("H2D", "D2H")}
+    half = len(tables["D2H"]) // 2 or 1
+    streams = {"H2D": torch.cuda.Stream(), "D2H": torch.cuda.Stream()}
+    old = KernelBackend(torch.device("cuda", 0))
+    old_batches = {d: batches(setup, d) for d in ("H2D", "D2H")}
+
+    def run(directions: tuple[str, ...], issue: Callable[[str, int], None]) -> float:
+        jobs = {d: range(len(tables[d])) for d in directions}
+        if len(directions) == 2:
+            jobs = {"D2H": range(half), "H2D": range(len(tables["H2D"]) - half, len(tables["H2D"]))}
+        nbytes = sum(len(j) for j in jobs.values()) * setup.pass_bytes // len(tables["D2H"])
+
+        def go() -> None:
+            for k in range(max(len(j) for j in jobs.values())):
+                for d in directions:
+                    if k < len(jobs[d]):
+                        with torch.cuda.stream(streams[d]):
+                            issue(d, jobs[d][k])
+
+        return gbps(nbytes, median_seconds(lambda: wall(go), REPS))
+
+    def old_issue(d: str, k: int) -> None:
+        old.copy(old_batches[d][k], streams[d])
+
+    for dirs in (("H2D",), ("D2H",), ("H2D", "D2H")):
+        label = "+".join(dirs)
+        print(
+            f"{block // KIB}K {label} current kernel: {run(dirs, old_issue):.1f} GB/s", flush=True
+        )
+        for chunk in sorted({min(block, 16 * KIB), min(block, 64 * KIB)}):
+            for warps in (4, 8):
+                for grid in (sm // 2, sm, 2 * sm, 4 * sm):
+
+                    def new_issue(
+                        d: str, k: int, g: int = grid, c: int = chunk, w: int = warps
+                    ) -> None:
+                        table, count = tables[d][k]
+                        launch_persistent(table, count, block, g, c, w)
+
+                    r = run(dirs, new_issue)
+                    print(
+                        f"{block // KIB}K {label} persistent grid={grid} chunk={chunk // KIB}K "
+                        f"warps={warps}: {r:.1f} GB/s",
+                        flush=True,
+                    )
+
+
+def contiguity(setup: Setup) -> None:
+    block = setup.block
+    stream = torch.cuda.Stream()
+    for direction in ("H2D", "D2H"):
+        jobs = batches(setup, direction)
+        n = max(b.count for b in jobs)
+        host = torch.empty(n * block, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(n * block, dtype=torch.uint8, device="cuda")
+        offsets = np.arange(n, dtype=np.int64) * block
+        host_row, dev_row = (0, 1) if direction == "H2D" else (1, 0)  # rows: src, dst
+        attrs = attrs_for(direction)
+        for variant in ("scattered", "host contiguous", "device contiguous", "both contiguous"):
+            changed = []
+            for b in jobs:
+                c = CopyBatch.allocate(b.count, pinned=True)
+                c.rows[:] = b.rows
+                if variant in ("host contiguous", "both contiguous"):
+                    c.rows[host_row] = host.data_ptr() + offsets[: b.count]
+                if variant in ("device contiguous", "both contiguous"):
+                    c.rows[dev_row] = dev.data_ptr() + offsets[: b.count]
+                changed.append(c.with_total(b.total_bytes))
+            spent: list[float] = []
+
+            def issue(
+                jobs: list[CopyBatch] = changed, attrs: object = attrs, spent: list[float] = spent
+            ) -> None:
+                started = time.perf_counter()
+                for b in jobs:
+                    issue_dma(b, attrs, stream.cuda_stream, fixed(128))
+                spent.append(time.perf_counter() - started)
+
+            r = gbps(setup.pass_bytes, median_seconds(lambda: wall(issue), REPS))
+            us = float(np.median(spent)) / setup.copies_per_pass * 1e6
+            print(
+                f"{block // KIB}K {direction} dma {variant}: {r:.1f} GB/s, issue {us:.2f} us/desc",
+                flush=True,
+            )
+        # one descriptor per job: the engines with no per-descriptor cost at all
+        whole = CopyBatch.allocate(1, pinned=True)
+        src, dst = (host, dev) if direction == "H2D" else (dev, host)
+        whole.rows[:, 0] = [src.data_ptr(), dst.data_ptr(), n * block]
+
+        def issue_whole(
+            jobs: list[CopyBatch] = jobs, whole: CopyBatch = whole, attrs: object = attrs
+        ) -> None:
+            for _ in jobs:
+                issue_dma(whole, attrs, stream.cuda_stream, fixed(128))
+
+        r = gbps(len(jobs) * n * block, median_seconds(lambda: wall(issue_whole), REPS))
+        print(f"{block // KIB}K {direction} dma one descriptor per job: {r:.1f} GB/s", flush=True)
+
+
+def gather(setup: Setup) -> None:
+    block = setup.block
+    views = setup.pair.cpu_tensors  # (rows, page) strided views of rank 0's cells
+    rows = views[0].shape[0]
+    ids = torch.from_numpy(np.random.default_rng(2).permutation(rows)[:4096]).long()
+    n = len(ids)
+    staging = torch.empty((len(views), n, block), dtype=torch.uint8, pin_memory=True)
+    byte_views = [v.view(torch.uint8).reshape(rows, -1) for v in views]
+    nbytes = n * block * len(views)
+    for threads in (1, 2, 4, 8, 16):
+        torch.set_num_threads(threads)
+
+        def do_gather() -> float:
+            started = time.perf_counter()
+            for t, v in enumerate(byte_views):
+                torch.index_select(v, 0, ids, out=staging[t])
+            return time.perf_counter() - started
+
+        def do_scatter() -> float:
+            started = time.perf_counter()
+            for t, v in enumerate(byte_views):
+                v.index_copy_(0, ids, staging[t])
+            return time.perf_counter() - started
+
+        g = gbps(nbytes, median_seconds(do_gather, REPS))
+        s = gbps(nbytes, median_seconds(do_scatter, REPS))
+        print(
+            f"{block // KIB}K cpu threads={threads}: gather {g:.1f} GB/s, scatter {s:.1f} GB/s",
+            flush=True,
+        )
+    torch.set_num_threads(torch.get_num_threads())
+
+
+def variants(setup: Setup) -> None:
+    """Cache hints, chunk sizes and uneven grids for the persistent kernel."""
+    block = setup.block
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    tables = {d: [(device_table(b), b.count) for b in batches(setup, d)] for d in ("H2D", "D2H")}
+    half = len(tables["D2H"]) // 2 or 1
+    streams = {"H2D": torch.cuda.Stream(), "D2H": torch.cuda.Stream()}
+
+    def run(directions: tuple[str, ...], args: dict[str, dict[str, object]]) -> float:
+        jobs = {d: list(range(len(tables[d]))) for d in directions}
+        if len(directions) == 2:
+            n = len(tables["H2D"])
+            jobs = {"D2H": list(range(half)), "H2D": list(range(n - half, n))}
+        nbytes = sum(len(j) for j in jobs.values()) * setup.pass_bytes // len(tables["D2H"])
+
+        def go() -> None:
+            for k in range(max(len(j) for j in jobs.values())):
+                for d in directions:
+                    if k < len(jobs[d]):
+                        table, count = tables[d][jobs[d][k]]
+                        with torch.cuda.stream(streams[d]):
+                            launch_persistent(table, count, block, **args[d])  # type: ignore[arg-type]
+
+        return gbps(nbytes, median_seconds(lambda: wall(go), REPS))
+
+    base: dict[str, object] = {"grid": 2 * sm, "chunk": min(block, 16 * KIB), "warps": 4}
+    hint_sets: list[dict[str, str]] = [
+        {},
+        {"LOAD_CACHE": ".cg"},
+        {"LOAD_CACHE": ".cv"},
+        {"STORE_CACHE": ".cs"},
+        {"STORE_CACHE": ".wt"},
+        {"STORE_CACHE": ".cg"},
+        {"EVICT": "evict_first"},
+        {"LOAD_CACHE": ".cv", "STORE_CACHE": ".cs"},
+    ]
+    for direction in ("H2D", "D2H"):
+        for hints in hint_sets:
+            try:
+                r = run((direction,), {direction: base | hints})
+                print(
+                    f"{block // KIB}K {direction} persistent {hints or 'no hints'}: {r:.1f} GB/s",
+                    flush=True,
+                )
+            except Exception as exc:
+                print(f"{block // KIB}K {direction} persistent {hints}: {type(exc).__name__}")
+        for chunk in (4 * KIB, 8 * KIB, 32 * KIB):
+            if chunk <= block:
+                r = run((direction,), {direction: base | {"chunk": chunk}})
+                print(
+                    f"{block // KIB}K {direction} persistent chunk={chunk // KIB}K: {r:.1f} GB/s",
+                    flush=True,
+                )
+    for h2d_grid, d2h_grid in [
+        (sm, sm),
+        (2 * sm, 2 * sm),
+        (3 * sm, sm),
+        (sm, 3 * sm),
+        (2 * sm, sm),
+        (sm, 2 * sm),
+        (3 * sm, 3 * sm),
+    ]:
+        for chunk in sorted({min(block, 8 * KIB), min(block, 16 * KIB)}):
+            args = {
+                "H2D": base | {"grid": h2d_grid, "chunk": chunk},
+                "D2H": base | {"grid": d2h_grid, "chunk": chunk},
+            }
+            r = run(("H2D", "D2H"), args)
+            grids = f"H2D={h2d_grid} D2H={d2h_grid} chunk={chunk // KIB}K"
+            print(f"{block // KIB}K both persistent grids {grids}: {r:.1f} GB/s", flush=True)
+
+
+PARTS = {
+    "hosttable": hosttable,
+    "variants": variants,
+    "persistent": persistent,
+    "contiguity": contiguity,
+    "gather": gather,
+}
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    directory = "/dev/shm"
+    if args and args[0].startswith("--dir="):
+        directory = args.pop(0).split("=", 1)[1]
+    chosen = args or list(PARTS)
+    print(
+        f"device: {torch.cuda.get_device_name()}; {torch.get_num_threads()} CPU threads", flush=True
+    )
+    rng = np.random.default_rng(1)
+    for block in (16 * KIB, 64 * KIB, 256 * KIB, 1024 * KIB):
+        setup = make_setup(block, directory, rng)
+        try:
+            for name in chosen:
+                if name == "gather" and block > 64 * KIB:
+                    continue
+                PARTS[name](setup)
+        finally:
+            setup.close()
+
+
+if __name__ == "__main__":
+    main()
