@@ -11,19 +11,55 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.errors import InvalidTransferSpecError
-from kvshm.transfer.pointers import (
-    RowGeometry,
-    blocks_spanned,
-    check_ids_in_range,
-    fill_sub_block_ptrs,
-)
+from kvshm.transfer.pointers import RowGeometry, blocks_spanned, check_ids_in_range
 from kvshm.transfer.specs import (
     CanonicalKVCacheRef,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
 )
+
+
+@dataclass(frozen=True)
+class GroupGeometry:
+    """Per tensor ref of one group, as (1, refs) arrays: a job fills all refs' copies in one
+    numpy pass."""
+
+    gpu_base: npt.NDArray[np.int64]
+    gpu_stride: npt.NDArray[np.int64]
+    cpu_base: npt.NDArray[np.int64]
+    cpu_stride: npt.NDArray[np.int64]
+    cpu_sub_block: npt.NDArray[np.int64]
+    page: npt.NDArray[np.int64]
+
+    @classmethod
+    def of(
+        cls,
+        refs: Sequence[CanonicalKVCacheRef],
+        gpu: Sequence[RowGeometry],
+        cpu: Sequence[RowGeometry],
+        factor: int,
+    ) -> GroupGeometry:
+        def row(values: list[int]) -> npt.NDArray[np.int64]:
+            return np.array(values, dtype=np.int64)[None, :]
+
+        # in the order of their CPU views in the cell, so that one block's pages come out in
+        # address order: where the views lie back to back, each block is one run of memory
+        ordered = sorted(refs, key=lambda r: cpu[r.tensor_idx].base)
+        g = [gpu[r.tensor_idx] for r in ordered]
+        c = [cpu[r.tensor_idx] for r in ordered]
+        return cls(
+            gpu_base=row([x.base for x in g]),
+            gpu_stride=row([x.row_stride for x in g]),
+            cpu_base=row([x.base for x in c]),
+            cpu_stride=row([x.row_stride for x in c]),
+            cpu_sub_block=row([x.row_width // factor for x in c]),
+            page=row([r.page_size_bytes for r in ordered]),
+        )
 
 
 @dataclass(frozen=True)
@@ -53,6 +89,9 @@ class JobPlanner:
         self._factor = block_size_factor
         self._groups = [list(refs) for refs in group_refs]
         self._gpu_to_cpu = gpu_to_cpu
+        self._geometries = [
+            GroupGeometry.of(refs, self._gpu, self._cpu, block_size_factor) for refs in self._groups
+        ]
         used = {ref.tensor_idx for refs in self._groups for ref in refs}
         self._gpu_rows = min((self._gpu[i].num_rows for i in used), default=0)
         self._cpu_rows = min((self._cpu[i].num_rows for i in used), default=0)
@@ -67,26 +106,29 @@ class JobPlanner:
         gpu_row, cpu_row = (0, 1) if self._gpu_to_cpu else (1, 0)
         total = 0
         at = 0
-        for part, refs in zip(slices, self._groups, strict=True):
-            if part.gpu_count == 0:
+        for part, geometry in zip(slices, self._geometries, strict=True):
+            n = part.gpu_count
+            if n == 0:
                 continue
-            gpu_ids = gpu_spec.block_ids[part.gpu_start : part.gpu_start + part.gpu_count]
+            refs = geometry.page.shape[1]
+            gpu_ids = gpu_spec.block_ids[part.gpu_start : part.gpu_start + n, None]
             cpu_ids = cpu_spec.block_ids[part.cpu_start : part.cpu_start + part.cpu_count]
-            for ref in refs:
-                end = at + part.gpu_count
-                fill_sub_block_ptrs(
-                    gpu_ids, 1, batch.rows[gpu_row, at:end], self._gpu[ref.tensor_idx], 0
-                )
-                fill_sub_block_ptrs(
-                    cpu_ids,
-                    self._factor,
-                    batch.rows[cpu_row, at:end],
-                    self._cpu[ref.tensor_idx],
-                    part.skip,
-                )
-                batch.rows[2, at:end] = ref.page_size_bytes
-                total += part.gpu_count * ref.page_size_bytes
-                at = end
+            rows = batch.rows[:, at : at + refs * n].reshape(3, n, refs)
+            # copy (k, r): ref r's page of the group's k-th GPU block, and where it sits in its
+            # CPU block (SEMANTICS §3 for every ref at once); block by block, so each block's
+            # pages stay together
+            np.multiply(gpu_ids, geometry.gpu_stride, out=rows[gpu_row])
+            rows[gpu_row] += geometry.gpu_base
+            if self._factor == 1:
+                np.multiply(cpu_ids[:n, None], geometry.cpu_stride, out=rows[cpu_row])
+            else:
+                blocks, slots = np.divmod(np.arange(part.skip, part.skip + n), self._factor)
+                np.multiply(cpu_ids[blocks, None], geometry.cpu_stride, out=rows[cpu_row])
+                rows[cpu_row] += slots[:, None] * geometry.cpu_sub_block
+            rows[cpu_row] += geometry.cpu_base
+            rows[2] = geometry.page
+            total += n * int(geometry.page.sum())
+            at += refs * n
         return batch.with_total(total)
 
     def _unpack(self, spec: object) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
