@@ -119,24 +119,26 @@ class Setup:
         self.creator.cleanup()
 
 
-def make_setup(block: int, directory: str, rng: np.random.Generator) -> Setup:
-    rows = REGION_BYTES // (WORKERS * TENSORS * block)
+def make_setup(
+    block: int, directory: str, rng: np.random.Generator, tensors: int = TENSORS
+) -> Setup:
+    rows = REGION_BYTES // (WORKERS * tensors * block)
     instance = f"bench-{uuid.uuid4().hex[:12]}"
     args = (instance, REGION_BYTES, rows)
     # the creator (rank None) populates the whole file; rank 0 attaches and registers it all
-    creator = SharedOffloadRegion(*args, None, WORKERS, TENSORS * block, directory=directory)
+    creator = SharedOffloadRegion(*args, None, WORKERS, tensors * block, directory=directory)
     region = SharedOffloadRegion(
-        *args, 0, WORKERS, TENSORS * block, directory=directory, populate=False
+        *args, 0, WORKERS, tensors * block, directory=directory, populate=False
     )
     if not region.pin():
         sys.exit("could not register the region with CUDA: the figures would be meaningless")
     gpu = [
         torch.randint(-128, 128, (rows, block), dtype=torch.int8, device="cuda")
-        for _ in range(TENSORS)
+        for _ in range(tensors)
     ]
-    refs = [[CanonicalKVCacheRef(t, block) for t in range(TENSORS)]]
+    refs = [[CanonicalKVCacheRef(t, block) for t in range(tensors)]]
     pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, pin=False)
-    per_job = max(1, JOB_BYTES // (TENSORS * block))
+    per_job = max(1, JOB_BYTES // (tensors * block))
     gpu_ids, cpu_ids = rng.permutation(rows), rng.permutation(rows)
     stores, loads = [], []
     for start in range(0, rows, per_job):
@@ -144,7 +146,7 @@ def make_setup(block: int, directory: str, rng: np.random.Generator) -> Setup:
         gpu_spec = GPULoadStoreSpec(g, [len(g)], [0])
         stores.append((gpu_spec, CPULoadStoreSpec(c)))
         loads.append((CPULoadStoreSpec(c), gpu_spec))
-    return Setup(block, creator, region, pair, stores, loads, rows * TENSORS)
+    return Setup(block, creator, region, pair, stores, loads, rows * tensors)
 
 
 def handler_for(setup: Setup, direction: str, **kwargs: Any) -> SingleDirectionOffloadingHandler:
@@ -207,10 +209,10 @@ class IssueTimer:
         timer = self
         original = backend.copy
 
-        def copy(batch: Any, stream: Any) -> object:
+        def copy(batch: Any, stream: Any, after: Any = None) -> object:
             started = time.perf_counter()
             try:
-                return original(batch, stream)
+                return original(batch, stream, after)
             finally:
                 timer.seconds += time.perf_counter() - started
 
@@ -452,6 +454,64 @@ def table(header: list[str], rows: list[list[str]]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
+# -- many layers: the staged backend's case ----------------------------------------------------
+
+LAYERS_HEADER = [
+    "page",
+    "dir",
+    "(a) peak",
+    "(b) vLLM 1 call",
+    "(c) kvshm",
+    "c/a",
+    "backend",
+    "kernel",
+    "dma",
+    "staged",
+]
+
+
+def many_layers(
+    args: argparse.Namespace, peak: dict[str, float], rng: np.random.Generator
+) -> list[dict[str, Any]]:
+    if args.layers <= 0:
+        return []
+    out: list[dict[str, Any]] = []
+    for page in [int(k) * KIB for k in args.layer_pages.split(",")]:
+        setup = make_setup(page, args.dir, rng, tensors=args.layers)
+        try:
+            for direction in DIRECTIONS:
+                row: dict[str, Any] = {"page": page, "dir": direction, "peak": peak[direction]}
+                row["vllm"] = one_call_per_job(setup, direction, args.reps)
+                row["kvshm"] = handler_gbps(setup, direction, args.reps)[0]
+                row["backend"] = chosen_backend(setup, direction)
+                for name in ("kernel", "dma", "staged"):
+                    row[name] = handler_gbps(setup, direction, args.reps, backend=name)[0]
+                out.append(row)
+            rate = both_directions_gbps(setup, args.reps)
+            out.append({"page": page, "dir": "both", "peak": peak["both"], "kvshm": rate})
+        finally:
+            setup.close()
+    return out
+
+
+def layers_row(r: dict[str, Any]) -> list[str]:
+    def cell(key: str) -> str:
+        return f"{r[key]:.1f}" if key in r else ""
+
+    return [
+        kib(r["page"]),
+        r["dir"],
+        f"{r['peak']:.1f}",
+        cell("vllm"),
+        f"{r['kvshm']:.1f}",
+        f"{r['kvshm'] / r['peak']:.0%}",
+        r.get("backend", "auto"),
+        cell("kernel"),
+        cell("dma"),
+        cell("staged"),
+    ]
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -466,6 +526,15 @@ def main() -> None:
     )
     parser.add_argument(
         "--sweep", action="store_true", help="also sweep DMA chunking and kernel chunk sizes"
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=32,
+        help="tensors per worker in the many-layers layout (one per layer; 0 skips it)",
+    )
+    parser.add_argument(
+        "--layer-pages", default="16,64", help="page sizes in KiB for the many-layers layout"
     )
     parser.add_argument("--json", help="write all figures to this file")
     args = parser.parse_args()
@@ -506,10 +575,19 @@ def main() -> None:
         finally:
             setup.close()
 
+    layers = many_layers(args, peak, rng)
+
     print(f"\n{device}: GB/s, 1 GiB registered 4-worker region, random ids, 64 MiB jobs")
+    print(f"{TENSORS} tensors per worker (the goals' layout)")
     table(ONE_WAY_HEADER, [one_way_row(r) for r in rows])
     print("\nboth directions at once (stores and loads interleaved)")
     table(BOTH_HEADER, [both_row(r) for r in both])
+    if layers:
+        print(
+            f"\nmany layers: {args.layers} tensors per worker, so each block's pages form one "
+            "run of the region; kvshm (auto) against each backend forced"
+        )
+        table(LAYERS_HEADER, [layers_row(r) for r in layers])
     if sweeps:
         print("\nsweep (handler end to end, forced backend)")
         table(
@@ -546,6 +624,7 @@ def main() -> None:
                     "rows": rows,
                     "both": both,
                     "sweep": sweeps,
+                    "layers": layers,
                     "default_kernel_chunk": DEFAULT_KERNEL_CHUNK_BYTES,
                 },
                 out,

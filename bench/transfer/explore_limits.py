@@ -397,6 +397,152 @@ def variants(setup: Setup) -> None:
             print(f"{block // KIB}K both persistent grids {grids}: {r:.1f} GB/s", flush=True)
 
 
+def staged(setup: Setup) -> None:
+    """Where a staged job's time goes: the runs' DMA alone, the gather/scatter alone, and
+    the handler with several buffer sizes."""
+    for direction in ("H2D", "D2H"):
+        staged_direction(setup, direction)
+
+
+def staged_direction(setup: Setup, direction: str) -> None:
+    from bench_transfer import handler_gbps
+
+    from kvshm.transfer import TransferOptions
+    from kvshm.transfer.backends.staged import StagedBackend, staged_tables
+
+    label = f"{setup.block // KIB}K x{len(setup.pair.gpu_tensors)}"
+    for mib, count in ((8, 3), (32, 2), (32, 3), (64, 2)):
+        options = TransferOptions(staging_buffer_bytes=mib << 20, staging_buffers=count)
+        r = handler_gbps(setup, direction, REPS, backend="staged", options=options)[0]
+        print(f"{label} {direction} staged {count} x {mib} MiB: {r:.1f} GB/s", flush=True)
+    jobs = batches(setup, direction)
+    whole = max(b.total_bytes for b in jobs)
+    buffer = torch.empty(whole, dtype=torch.uint8, device="cuda")
+    gpu_to_cpu = direction == "D2H"
+    stream = torch.cuda.Stream()
+    attrs = attrs_for(direction)
+    kernel = KernelBackend(torch.device("cuda", 0))
+    prepared = []
+    for b in jobs:
+        planner = StagedBackend(torch.device("cuda", 0), gpu_to_cpu, None, None, whole, 2)  # type: ignore[arg-type]
+        plan = planner.plan(b)
+        assert plan is not None and plan.pieces == 1
+        bases = np.array([buffer.data_ptr()], dtype=np.int64)
+        table, runs = staged_tables(b, plan, bases, gpu_to_cpu)
+        prepared.append((table, runs, int(b.sizes.max())))
+    runs_each = np.mean([p[1].count for p in prepared])
+
+    def dma_only() -> None:
+        for _, runs, _ in prepared:
+            issue_dma(runs, attrs, stream.cuda_stream, fixed(128))
+
+    def kernel_only() -> None:
+        with torch.cuda.stream(stream):
+            for table, _, largest in prepared:
+                kernel.launch(table, 0, table.shape[1], largest)
+
+    def serial() -> None:
+        with torch.cuda.stream(stream):
+            for table, runs, largest in prepared:
+                if gpu_to_cpu:
+                    kernel.launch(table, 0, table.shape[1], largest)
+                issue_dma(runs, attrs, stream.cuda_stream, fixed(128))
+                if not gpu_to_cpu:
+                    kernel.launch(table, 0, table.shape[1], largest)
+
+    for name, issue in (
+        ("runs DMA only", dma_only),
+        ("gather/scatter kernel only", kernel_only),
+        ("one piece per job, one stream", serial),
+    ):
+        r = gbps(setup.pass_bytes, median_seconds(lambda issue=issue: wall(issue), REPS))
+        print(f"{label} {direction} {name} ({runs_each:.0f} runs/job): {r:.1f} GB/s", flush=True)
+
+
+def overlap(setup: Setup) -> None:
+    """Per backend: GB/s over 16 back-to-back jobs (steady state, not a burst from idle),
+    and beside a stream of matrix products: how fast each goes, and how much each slows
+    the other (what a serving engine's decode steps would feel)."""
+    from bench_transfer import HandlerRun, handler_for, specs_for
+
+    label = f"{setup.block // KIB}K x{len(setup.pair.gpu_tensors)}"
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    compute = torch.cuda.Stream()
+
+    def matmuls(n: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(compute):
+            start.record(compute)
+            for _ in range(n):
+                torch.mm(a, a)
+            end.record(compute)
+        return start, end
+
+    s, e = matmuls(50)
+    torch.cuda.synchronize()
+    per_mm = s.elapsed_time(e) / 50
+    variants = [("kernel", 0), ("kernel", 8), ("kernel", 16), ("kernel", 66), ("kernel", 264)]
+    variants += [("dma", 0), ("staged", 0)]
+    if "--kernel-only" in sys.argv:
+        variants = variants[:5]
+    for direction in ("H2D", "D2H"):
+        for backend, programs in variants:
+            try:
+                handler = handler_for(setup, direction, backend=backend)
+            except Exception as exc:
+                print(f"{label} {direction} {backend}: {exc}", flush=True)
+                continue
+            if programs:
+                handler._chooser._backends["kernel"]._max_programs = programs
+                backend = f"kernel grid {programs}"
+            specs = specs_for(setup, direction) * 4
+            run = HandlerRun([handler], [specs])
+            steady = gbps(4 * setup.pass_bytes, median_seconds(run, REPS))
+            n = max(1, int(4 * setup.pass_bytes / 50e9 * 1e3 / per_mm))  # about as long
+            alone = []
+            for _ in range(REPS):
+                s, e = matmuls(n)
+                torch.cuda.synchronize()
+                alone.append(s.elapsed_time(e))
+            together, rates = [], []
+            for _ in range(REPS):
+                torch.cuda.synchronize()
+                s, e = matmuls(n)
+                started = time.perf_counter()
+                ids = list(range(run.next_id, run.next_id + len(specs)))
+                run.next_id += len(specs)
+                for job, spec in zip(ids, specs, strict=True):
+                    handler.transfer_async(job, spec)
+                handler.wait(ids)
+                seconds = time.perf_counter() - started
+                assert all(r.success for r in handler.get_finished())
+                torch.cuda.synchronize()
+                together.append(s.elapsed_time(e))
+                rates.append(gbps(4 * setup.pass_bytes, seconds))
+            handler.shutdown()
+            slow = np.median(together) / np.median(alone)
+            print(
+                f"{label} {direction} {backend}: steady {steady:.1f} GB/s; beside matmuls "
+                f"{np.median(rates):.1f} GB/s, matmuls take {slow:.2f}x as long",
+                flush=True,
+            )
+
+
+def main_layers() -> None:
+    rng = np.random.default_rng(1)
+    layouts = ((16 * KIB, 2), (64 * KIB, 2), (16 * KIB, 32))
+    if "--kernel-only" in sys.argv:
+        layouts = ((16 * KIB, 2), (256 * KIB, 2))
+    for page, tensors in layouts:
+        setup = make_setup(page, "/dev/shm", rng, tensors=tensors)
+        try:
+            overlap(setup)
+            if tensors > 2 and "--staged" in sys.argv:
+                staged(setup)
+        finally:
+            setup.close()
+
+
 PARTS = {
     "hosttable": hosttable,
     "variants": variants,
@@ -407,6 +553,9 @@ PARTS = {
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["layers"]:
+        main_layers()
+        return
     args = sys.argv[1:]
     directory = "/dev/shm"
     if args and args[0].startswith("--dir="):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from kvshm.transfer import BackendPolicy, BackendUnavailableError, Direction
 from kvshm.transfer.backends.base import CopyBackend, Stream
+from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.chooser import BackendChooser
 
@@ -14,7 +17,7 @@ class Named(CopyBackend):
     def __init__(self, name: str) -> None:
         self.label = name
 
-    def copy(self, batch: CopyBatch, stream: Stream) -> None:
+    def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> None:
         raise AssertionError("never called here")
 
 
@@ -59,3 +62,43 @@ def test_without_a_kernel_everything_goes_to_dma() -> None:
         {"dma": Named("dma")}, {"kernel": "x"}, Direction.CPU_TO_GPU, POLICY, None
     )
     assert label(only_dma.choose(batch_of(100, 16 * 1024))) == "dma"
+
+
+def cells_batch(tensors: int, page: int, blocks: int, gpu_to_cpu: bool) -> CopyBatch:
+    """A job moving `tensors` pages of `blocks` random region rows (4 workers), block by
+    block as the planner orders it: each block's pages are one run of the region."""
+    row = 4 * tensors * page
+    rows = np.random.default_rng(0).permutation(10 * blocks)[:blocks]
+    host = np.array([r * row + t * page for r in rows for t in range(tensors)], dtype=np.int64)
+    batch = CopyBatch.allocate(len(host))
+    batch.rows[1 if gpu_to_cpu else 0] = host + (1 << 30)
+    batch.rows[0 if gpu_to_cpu else 1] = np.arange(len(host)) * 2 * page  # "GPU" side
+    batch.rows[2] = page
+    return batch.with_total(len(host) * page)
+
+
+def staging_chooser(direction: Direction, policy: BackendPolicy | None = None) -> BackendChooser:
+    gpu_to_cpu = direction == Direction.GPU_TO_CPU
+    staged = StagedBackend(
+        torch.device("cpu"), gpu_to_cpu, Named("dma"), Named("kernel"), 8 << 20, 2
+    )  # type: ignore[arg-type]
+    backends = {"dma": Named("dma"), "kernel": Named("kernel"), "staged": staged}
+    return BackendChooser(backends, {}, direction, policy or BackendPolicy(), None)
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_jobs_whose_region_side_forms_long_runs_are_staged(direction: Direction) -> None:
+    choose = staging_chooser(direction).choose
+    gpu_to_cpu = direction == Direction.GPU_TO_CPU
+    # 32 layers of 16 KiB pages: one 512 KiB run per block
+    assert choose(cells_batch(32, 16 * 1024, 64, gpu_to_cpu)).name == "staged"
+    # 2 tensors of 16 KiB pages: 32 KiB runs, too short to pay for staging
+    assert label(choose(cells_batch(2, 16 * 1024, 64, gpu_to_cpu))) == "kernel"
+    # 2 MiB pages: the copies are large already
+    assert label(choose(cells_batch(2, 2 << 20, 8, gpu_to_cpu))) == "dma"
+
+
+def test_a_copy_larger_than_the_staging_buffer_is_not_staged() -> None:
+    policy = BackendPolicy(staged_from_run_bytes=64 << 20)
+    choose = staging_chooser(Direction.GPU_TO_CPU, policy).choose
+    assert label(choose(cells_batch(4, 16 << 20, 2, True))) == "dma"  # 16 MiB > 8 MiB buffer

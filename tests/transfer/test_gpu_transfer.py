@@ -31,6 +31,7 @@ BACKENDS: dict[str, dict[str, Any]] = {
     "dma": {"backend": "dma"},
     "dma-each": {"backend": "dma", "options": TransferOptions(use_batch_call=False)},
     "kernel": {"backend": "kernel"},
+    "staged": {"backend": "staged"},
     "auto": {},
 }
 
@@ -153,17 +154,18 @@ def test_groups_with_partial_cpu_blocks(backend: str, regions: list[SharedOffloa
     pair.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["auto", "staged"])
 @pytest.mark.parametrize("stream_per_job", [False, True], ids=["one-stream", "stream-per-job"])
 @pytest.mark.parametrize("regions", [(64, 1024 * KIB)], indirect=True)
 def test_jobs_finish_in_order_while_another_stream_computes(
-    regions: list[SharedOffloadRegion], stream_per_job: bool
+    regions: list[SharedOffloadRegion], stream_per_job: bool, backend: str
 ) -> None:
     region = regions[0]
     block = 1024 * KIB
     gpu = random_block_data(64, block, 1)
     options = TransferOptions(stream_per_job=stream_per_job)
     refs = [[CanonicalKVCacheRef(0, block)]]
-    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, options=options)
+    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, options=options, **BACKENDS[backend])
     compute = torch.cuda.Stream()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     fresh = torch.randint(-128, 128, (8, block), dtype=torch.int8, device="cuda")
@@ -214,4 +216,54 @@ def test_unpinned_region_copies_by_dma_and_refuses_the_kernel(
     run(pair.gpu_to_cpu_handler, 1, (GPULoadStoreSpec(ids, [8], [0]), CPULoadStoreSpec(ids)))
     rows = region_bytes(other)
     assert np.array_equal(rows[:, 64 * KIB : 128 * KIB], gpu[0].cpu().numpy().view(np.uint8))
+    pair.shutdown()
+
+
+LAYERS = 32
+PAGE = 16 * KIB
+
+
+@pytest.mark.parametrize("regions", [(96, LAYERS * PAGE)], indirect=True)
+def test_many_layers_of_small_pages_are_staged_and_byte_exact(
+    regions: list[SharedOffloadRegion],
+) -> None:
+    """A worker with one tensor per layer: each block's pages form one 512 KiB run of its
+    cell, so the policy stages the job; jobs larger than the staging ring reuse its buffers."""
+    region = regions[2]
+    num_blocks = region.layout.num_blocks
+    gpu = random_block_data(num_blocks + 16, PAGE, LAYERS)
+    refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
+    options = TransferOptions(staging_buffer_bytes=2 * 1024 * KIB, staging_buffers=2)
+    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, options=options)
+    rng = np.random.default_rng(3)
+    gpu_ids = rng.permutation(num_blocks + 16)[:num_blocks]
+    cpu_ids = rng.permutation(num_blocks)
+    store = pair.gpu_to_cpu_handler
+    halves = np.array_split(np.arange(num_blocks), 2)
+    specs = [
+        (GPULoadStoreSpec(gpu_ids[h], [len(h)], [0]), CPULoadStoreSpec(cpu_ids[h])) for h in halves
+    ]
+    assert store._chooser.choose(store._planner.plan(specs[0])).name == "staged"
+    for job, spec in enumerate(specs):
+        assert store.transfer_async(job, spec)
+    store.wait([0, 1])
+    assert [(r.job_id, r.success) for r in store.get_finished()] == [(0, True), (1, True)]
+    rows = region_bytes(region)
+    cells = rows[cpu_ids, 2 * LAYERS * PAGE : 3 * LAYERS * PAGE].reshape(num_blocks, LAYERS, PAGE)
+    ids = torch.from_numpy(gpu_ids).cuda()
+    for t in range(LAYERS):
+        assert np.array_equal(cells[:, t], gpu[t][ids].cpu().numpy().view(np.uint8)), t
+    assert not rows[:, : 2 * LAYERS * PAGE].any()  # other workers' cells untouched
+
+    originals = [t[ids].clone() for t in gpu]
+    for tensor in gpu:
+        tensor.fill_(0x5A)
+    load_to = rng.permutation(num_blocks + 16)[:num_blocks]
+    load = pair.cpu_to_gpu_handler
+    spec = (CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(load_to, [num_blocks], [0]))
+    assert load._chooser.choose(load._planner.plan(spec)).name == "staged"
+    run(load, 7, spec)
+    targets = torch.from_numpy(load_to).cuda()
+    for tensor, original in zip(gpu, originals, strict=True):
+        assert torch.equal(tensor[targets], original)
     pair.shutdown()

@@ -156,7 +156,9 @@ class Gate:
         self.started: list[int] = []
         original = CpuMemmoveBackend.copy
 
-        def gated(backend: CpuMemmoveBackend, batch: CopyBatch, stream: object) -> None:
+        def gated(
+            backend: CpuMemmoveBackend, batch: CopyBatch, stream: object, after: object = None
+        ) -> None:
             self.started.append(batch.count)
             self.opened.wait(timeout=30)
             original(backend, batch, stream)
@@ -231,7 +233,9 @@ def test_a_failed_job_is_reported_and_counted_and_the_next_one_runs(
 ) -> None:
     original = CpuMemmoveBackend.copy
 
-    def fail_job_two(backend: CpuMemmoveBackend, batch: CopyBatch, stream: object) -> None:
+    def fail_job_two(
+        backend: CpuMemmoveBackend, batch: CopyBatch, stream: object, after: object = None
+    ) -> None:
         if batch.src[0] == pair.gpu_tensors[0][2].data_ptr():
             raise OSError("simulated copy failure")
         original(backend, batch, stream)

@@ -26,6 +26,11 @@ class CopyBatch:
     def with_total(self, total_bytes: int) -> CopyBatch:
         return CopyBatch(self.table, self.rows, total_bytes)
 
+    def columns(self, start: int, stop: int) -> CopyBatch:
+        """Copies start .. stop as a batch sharing this one's memory (each row contiguous)."""
+        rows = self.rows[:, start:stop]
+        return CopyBatch(self.table[:, start:stop], rows, int(rows[2].sum()))
+
     @property
     def count(self) -> int:
         return int(self.rows.shape[1])

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvshm.transfer.backends.base import CopyBackend
+from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.errors import BackendUnavailableError
 from kvshm.transfer.metrics import Direction
@@ -15,7 +16,7 @@ from kvshm.transfer.metrics import Direction
 log = logging.getLogger(__name__)
 
 BACKEND_ENV = "KVSHM_TRANSFER_BACKEND"
-BACKEND_NAMES = ("dma", "kernel", "cpu")
+BACKEND_NAMES = ("dma", "kernel", "staged", "cpu")
 
 
 def _default_kernel_below() -> dict[Direction, int]:
@@ -28,10 +29,12 @@ def _default_kernel_below() -> dict[Direction, int]:
 
 @dataclass(frozen=True)
 class BackendPolicy:
-    """Use the copy kernel for jobs whose copies average fewer bytes than the direction's
-    threshold, the copy engines otherwise."""
+    """Stage a job whose host side forms runs of staged_from_run_bytes or more on average
+    (at most half as many runs as copies); otherwise use the copy kernel for jobs whose copies
+    average fewer bytes than the direction's threshold, the copy engines for the rest."""
 
     kernel_below_bytes: Mapping[Direction, int] = field(default_factory=_default_kernel_below)
+    staged_from_run_bytes: int = 256 * 1024
 
 
 def override_from_env() -> str | None:
@@ -65,6 +68,7 @@ class BackendChooser:
         self._backends = dict(backends)
         self._direction = direction
         self._kernel_below = policy.kernel_below_bytes.get(direction, 0)
+        self._staged_from = policy.staged_from_run_bytes
         self._override = override
         for name, reason in unavailable.items():
             log.info("copy backend %s not used for %s: %s", name, direction.value, reason)
@@ -78,7 +82,18 @@ class BackendChooser:
             return self._backends[self._override]
         if "cpu" in self._backends:
             return self._backends["cpu"]
+        staged = self._backends.get("staged")
+        if isinstance(staged, StagedBackend) and self._worth_staging(staged, batch):
+            return staged
         kernel = self._backends.get("kernel")
         if kernel is not None and batch.mean_copy_bytes < self._kernel_below:
             return kernel
         return self._backends["dma"]
+
+    def _worth_staging(self, staged: StagedBackend, batch: CopyBatch) -> bool:
+        if batch.count < 2 or batch.mean_copy_bytes * 2 > self._staged_from:
+            return False  # no runs of two copies or more could reach the threshold
+        plan = staged.plan(batch)
+        if plan is None:
+            return False
+        return plan.runs * 2 <= plan.copies and plan.mean_run_bytes >= self._staged_from

@@ -23,6 +23,7 @@ from kvshm.transfer.specs import (
     TransferResult,
     TransferSpec,
 )
+from kvshm.transfer.staging import layout_run_bytes
 from kvshm.transfer.tensors import check_group_refs, check_tensors
 from kvshm.transfer.timeline import CpuTimeline, Ticket, Timeline
 
@@ -80,16 +81,22 @@ class SingleDirectionOffloadingHandler:
             pairs.gpu, pairs.cpu, block_size_factor, self.kv_cache_groups_data_refs, gpu_to_cpu
         )
         options = options or TransferOptions()
+        policy = policy or BackendPolicy()
+        override = backend if backend is not None else override_from_env()
+        runs = layout_run_bytes(pairs.cpu, self.kv_cache_groups_data_refs)
+        staging = override == "staged" or (
+            override is None and runs >= policy.staged_from_run_bytes
+        )
         backends, unavailable = build_backends(
-            pairs, self.kv_cache_groups_data_refs, self.gpu_to_cpu, options
+            pairs, self.kv_cache_groups_data_refs, self.gpu_to_cpu, options, staging
         )
-        self._chooser = BackendChooser(
-            backends,
-            unavailable,
-            self.direction,
-            policy or BackendPolicy(),
-            backend if backend is not None else override_from_env(),
-        )
+        if not staging:
+            unavailable.setdefault(
+                "staged",
+                f"a CPU block gives runs of at most {runs} bytes, below the policy's "
+                f"{policy.staged_from_run_bytes}",
+            )
+        self._chooser = BackendChooser(backends, unavailable, self.direction, policy, override)
         self._timeline = _timeline_for(pairs.device, options)
         self._metrics = TransferMetrics(self.direction)
         self._jobs: deque[_Job] = deque()
@@ -113,7 +120,11 @@ class SingleDirectionOffloadingHandler:
             )
         batch = self._planner.plan(spec)
         backend = self._chooser.choose(batch)
-        ticket = self._timeline.launch(partial(backend.copy, batch), self.gpu_to_cpu)
+        after = None
+        if self.gpu_to_cpu and self.device.type == "cuda":
+            after = torch.cuda.current_stream(self.device)  # the compute the store must follow
+        work = partial(backend.copy, batch, after=after)
+        ticket = self._timeline.launch(work, self.gpu_to_cpu)
         job = _Job(job_id, ticket, batch.total_bytes)
         self._jobs.append(job)
         self._pending[job_id] = job

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 DEFAULT_DESCRIPTORS_PER_CALL = 128
 DEFAULT_KERNEL_CHUNK_BYTES = 16384
-# Measured on an H200 (docs/transfer.md): 2 programs of 4 warps per SM move as much one way
-# as a grid of one program per chunk did, and both directions at once 75-78 GB/s, not ~52.
-DEFAULT_KERNEL_PROGRAMS_PER_SM = 2
+# Measured on an H200 (docs/transfer.md): 32 programs of 4 warps keep ~110 KB in flight, as
+# much as the link needs, and leave most SMs to the serving engine's compute (matrix products
+# beside a store took 1.6x as long, against 6.5x with 2 programs on every SM).
+DEFAULT_KERNEL_PROGRAMS = 32
 
 
 @dataclass(frozen=True)
@@ -19,8 +20,15 @@ class TransferOptions:
     """False issues one cuMemcpyAsync per copy even where the batch call exists."""
     kernel_chunk_bytes: int = DEFAULT_KERNEL_CHUNK_BYTES
     """Bytes one program of the copy kernel moves per step."""
-    kernel_programs_per_sm: int = DEFAULT_KERNEL_PROGRAMS_PER_SM
-    """The copy kernel's grid: this many programs per SM, each looping over the chunks."""
+    kernel_programs: int = DEFAULT_KERNEL_PROGRAMS
+    """The copy kernel's grid: at most this many programs, each looping over the chunks. More
+    programs move both directions at once faster (two kernels share the link better) but
+    slow the serving engine's compute more."""
+    staging_buffer_bytes: int = 32 * 1024 * 1024
+    """Device memory per buffer of the staged backend, reserved when the handler is built for
+    a layout that can stage (docs/transfer.md); a job larger than one buffer goes in pieces."""
+    staging_buffers: int = 2
+    """Staging buffers per handler: one is filled while the other drains. 0 turns staging off."""
     stream_per_job: bool = False
     """vLLM's scheme: each job on a pooled stream that waits for the previous job's end
     event. The default keeps all of a handler's jobs on one stream."""

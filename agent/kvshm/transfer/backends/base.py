@@ -15,10 +15,12 @@ class CopyBackend(ABC):
     """Issues a batch of (source, destination, size) copies on a stream.
 
     copy() may return an object that must stay alive until the copies are done (a device
-    copy of the descriptors, say); the caller keeps it until then.
+    copy of the descriptors, say); the caller keeps it until then. `after` is the stream
+    whose queued work GPU->CPU copies must follow: `stream` already waits for it, so only a
+    backend that issues on other streams too needs it.
     """
 
     name: ClassVar[str]
 
     @abstractmethod
-    def copy(self, batch: CopyBatch, stream: Stream) -> object: ...
+    def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> object: ...

@@ -12,6 +12,6 @@ from kvshm.transfer.batch import CopyBatch
 class CpuMemmoveBackend(CopyBackend):
     name = "cpu"
 
-    def copy(self, batch: CopyBatch, stream: Stream) -> None:
+    def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> None:
         for src, dst, size in zip(*batch.rows.tolist(), strict=True):
             ctypes.memmove(dst, src, size)  # releases the GIL for the copy itself

@@ -45,7 +45,7 @@ class DmaBackend(CopyBackend):
         self._per_call = descriptors_per_call
         self.uses_batch = use_batch and driver.has_batch
 
-    def copy(self, batch: CopyBatch, stream: Stream) -> None:
+    def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> None:
         handle = int(stream.cuda_stream)
         if self.uses_batch and self._copy_batched(batch, handle):
             return

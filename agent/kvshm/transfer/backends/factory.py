@@ -11,6 +11,7 @@ from kvshm.transfer.backends.cpu import CpuMemmoveBackend
 from kvshm.transfer.backends.cuda_driver import CopyDirection, cuda_driver
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend, triton_missing_reason, unmapped_reason
+from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.errors import BackendUnavailableError
 from kvshm.transfer.options import TransferOptions
 from kvshm.transfer.specs import CanonicalKVCacheRef
@@ -24,42 +25,58 @@ def build_backends(
     group_refs: Sequence[Sequence[CanonicalKVCacheRef]],
     gpu_to_cpu: bool,
     options: TransferOptions,
+    staging: bool = False,
 ) -> Backends:
-    """The usable backends by name, and why each other one cannot be used."""
+    """The usable backends by name, and why each other one cannot be used. `staging` builds
+    the staged backend, which reserves its device buffers now."""
     reason: str | None
     if pairs.device.type == "cpu":
         reason = "the 'GPU' tensors are CPU tensors"
-        return {"cpu": CpuMemmoveBackend()}, {"dma": reason, "kernel": reason}
+        return {"cpu": CpuMemmoveBackend()}, {"dma": reason, "kernel": reason, "staged": reason}
     unavailable = {"cpu": f"the GPU tensors are on {pairs.device}, which memmove cannot reach"}
     if pairs.device.type != "cuda":
         reason = f"kvshm copies to CUDA devices only, not {pairs.device}"
-        return {}, {**unavailable, "dma": reason, "kernel": reason}
+        return {}, {**unavailable, "dma": reason, "kernel": reason, "staged": reason}
     device_index = pairs.device.index
     if device_index is None:
         device_index = torch.cuda.current_device()
     try:
         driver = cuda_driver()
     except BackendUnavailableError as exc:
-        return {}, {**unavailable, "dma": str(exc), "kernel": str(exc)}
-    backends: dict[str, CopyBackend] = {
-        "dma": DmaBackend(
-            driver,
-            CopyDirection(gpu_to_cpu, device_index),
-            options.descriptors_per_call,
-            options.use_batch_call,
-        )
-    }
+        return {}, {**unavailable, "dma": str(exc), "kernel": str(exc), "staged": str(exc)}
+    dma = DmaBackend(
+        driver,
+        CopyDirection(gpu_to_cpu, device_index),
+        options.descriptors_per_call,
+        options.use_batch_call,
+    )
+    backends: dict[str, CopyBackend] = {"dma": dma}
     torch.cuda.synchronize(device_index)  # binds the device's context to this thread
     reason = triton_missing_reason()
     if reason is None and not pairs.all_aligned(group_refs):
         reason = f"some address or page size is not a multiple of {ALIGNMENT} bytes"
-    if reason is None:
-        reason = unmapped_reason(driver, pairs.cpu)
-    if reason is None:
-        device = torch.device("cuda", device_index)
-        backends["kernel"] = KernelBackend(
-            device, options.kernel_chunk_bytes, programs_per_sm=options.kernel_programs_per_sm
+    if reason is not None:
+        return backends, {**unavailable, "kernel": reason, "staged": reason}
+    device = torch.device("cuda", device_index)
+    kernel = KernelBackend(device, options.kernel_chunk_bytes, programs=options.kernel_programs)
+    # staging needs the kernel on device memory only; the kernel on host memory also needs
+    # the region registered
+    if staging and options.staging_buffers >= 2:
+        staged = StagedBackend(
+            device,
+            gpu_to_cpu,
+            dma,
+            kernel,
+            options.staging_buffer_bytes,
+            options.staging_buffers,
         )
+        staged.allocate()
+        backends["staged"] = staged
+    elif staging:
+        unavailable["staged"] = f"staging_buffers is {options.staging_buffers}; it needs 2 or more"
+    reason = unmapped_reason(driver, pairs.cpu)
+    if reason is None:
+        backends["kernel"] = kernel
     else:
         unavailable["kernel"] = reason
     return backends, unavailable

@@ -16,7 +16,7 @@ import torch
 from kvshm.transfer.backends.base import CopyBackend, Stream
 from kvshm.transfer.backends.cuda_driver import CudaDriver
 from kvshm.transfer.batch import CopyBatch
-from kvshm.transfer.options import DEFAULT_KERNEL_CHUNK_BYTES, DEFAULT_KERNEL_PROGRAMS_PER_SM
+from kvshm.transfer.options import DEFAULT_KERNEL_CHUNK_BYTES, DEFAULT_KERNEL_PROGRAMS
 from kvshm.transfer.pointers import RowGeometry
 
 DEFAULT_NUM_WARPS = 4
@@ -51,35 +51,46 @@ class KernelBackend(CopyBackend):
         device: torch.device,
         chunk_bytes: int = DEFAULT_KERNEL_CHUNK_BYTES,
         num_warps: int = DEFAULT_NUM_WARPS,
-        programs_per_sm: int = DEFAULT_KERNEL_PROGRAMS_PER_SM,
+        programs: int = DEFAULT_KERNEL_PROGRAMS,
     ) -> None:
         if chunk_bytes < 16 or chunk_bytes & (chunk_bytes - 1):
             raise ValueError(f"chunk_bytes must be a power of two >= 16, got {chunk_bytes}")
-        if programs_per_sm < 1:
-            raise ValueError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
+        if programs < 1:
+            raise ValueError(f"programs must be >= 1, got {programs}")
         from kvshm.transfer.backends.triton_copy import copy_blocks_kernel
 
         self._kernel: Any = copy_blocks_kernel
         self._chunk = chunk_bytes
         self._num_warps = num_warps
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self._max_programs = programs_per_sm * sms
+        self._max_programs = programs
+        # compile now, while the handler is built, not in the first job (~0.5 s): one copy
+        # of 0 bytes touches no memory but the table
+        warmup = torch.zeros((3, 1), dtype=torch.int64, pin_memory=True)
+        with torch.cuda.device(device):
+            self.launch(warmup, 0, 1, 1)
+            torch.cuda.synchronize(device)
 
-    def copy(self, batch: CopyBatch, stream: Stream) -> object:
+    def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> object:
         if batch.count == 0:
             return None
-        chunks = -(-int(batch.sizes.max()) // self._chunk)
         # the kernel reads the table from pinned memory, so no copy engine uploads it (an
         # upload would queue behind the other direction's DMA); the caller keeps the table
         # alive until the kernel is done, and only then may torch's host allocator reuse it
         table = torch.empty((3, batch.count), dtype=torch.int64, pin_memory=True)
         table.copy_(batch.table)
-        grid = (min(batch.count * chunks, self._max_programs),)
-        self._kernel[grid](
-            table.data_ptr(),
-            batch.count,
+        self.launch(table, 0, batch.count, int(batch.sizes.max()))
+        return table
+
+    def launch(self, table: torch.Tensor, start: int, count: int, max_size: int) -> None:
+        """Copy columns start .. start+count of a pinned (3, n) table on the current stream."""
+        chunks = -(-max_size // self._chunk)
+        base, row = table.data_ptr() + 8 * start, 8 * table.shape[1]
+        self._kernel[(min(count * chunks, self._max_programs),)](
+            base,
+            base + row,
+            base + 2 * row,
+            count,
             chunks,
             CHUNK_BYTES=self._chunk,
             num_warps=self._num_warps,
         )
-        return table

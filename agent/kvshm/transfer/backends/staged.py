@@ -1,0 +1,158 @@
+"""The staged backend: the copy engines move whole runs of a region, the GPU gathers/scatters.
+
+The copy engines reach the link only with large descriptors: the driver spends 0.5-1 us per
+descriptor, so 16 KiB ones move 16-33 GB/s. A job that moves many tensors' pages of each
+block touches one contiguous run of the region per block (kvshm.transfer.staging), so this
+backend moves each run with one descriptor between the region and a device buffer, and the
+copy kernel gathers (GPU->CPU) or scatters (CPU->GPU) the pages between that buffer and the
+GPU tensors, in device memory only. The kernel runs on a second stream, so piece k+1 is
+gathered (or piece k-1 scattered) while piece k crosses the link; a ring of a few buffers
+bounds the device memory it takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvshm.transfer.backends.base import CopyBackend, Stream
+from kvshm.transfer.backends.dma import DmaBackend
+from kvshm.transfer.backends.kernel import KernelBackend
+from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.staging import StagingPlan, plan_staging
+
+
+@dataclass
+class _Buffer:
+    memory: torch.Tensor
+    filled: torch.cuda.Event  # the piece is in the buffer: the other stream may go on
+    free: torch.cuda.Event  # the buffer's last piece is done with: it may be refilled
+
+
+class StagedBackend(CopyBackend):
+    """Allocates its buffers when built, so no job pays for (or synchronizes on) a device
+    allocation; the factory builds it only for layouts that can form long runs."""
+
+    name = "staged"
+
+    def __init__(
+        self,
+        device: torch.device,
+        gpu_to_cpu: bool,
+        dma: DmaBackend,
+        kernel: KernelBackend,
+        buffer_bytes: int,
+        buffers: int,
+    ) -> None:
+        if buffers < 2:
+            raise ValueError(f"staging needs at least 2 buffers to overlap, got {buffers}")
+        self._gpu_to_cpu = gpu_to_cpu
+        self._dma = dma
+        self._kernel = kernel
+        self.buffer_bytes = buffer_bytes
+        self._buffer_count = buffers
+        self._device = device
+        self._ring: list[_Buffer] = []
+        self._next = 0
+        self._fill_stream: torch.cuda.Stream | None = None
+        self._last: tuple[CopyBatch, StagingPlan] | None = None
+
+    def allocate(self) -> None:
+        """Reserve the buffers and the second stream (idempotent)."""
+        if self._ring:
+            return
+        self._fill_stream = torch.cuda.Stream(self._device)
+        self._ring = [
+            _Buffer(
+                torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self._device),
+                torch.cuda.Event(),
+                torch.cuda.Event(),
+            )
+            for _ in range(self._buffer_count)
+        ]
+
+    def plan(self, batch: CopyBatch) -> StagingPlan | None:
+        """The job's staging plan, or None if one of its copies exceeds a buffer."""
+        if self._last is not None and self._last[0] is batch:
+            return self._last[1]
+        if batch.count and int(batch.sizes.max()) > self.buffer_bytes:
+            return None
+        host = batch.dst if self._gpu_to_cpu else batch.src
+        plan = plan_staging(host, batch.sizes, self.buffer_bytes)
+        self._last = (batch, plan)
+        return plan
+
+    def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> object:
+        """GPU->CPU: the kernel gathers each piece on a second stream, which waits for `after`
+        (the caller's compute stream), and the job's stream moves it out. CPU->GPU: the
+        second stream moves each piece in, and the job's stream scatters it. Either way the
+        job ends on its own stream after its last piece, and the next job's first piece may
+        start before that: only a buffer's events order its reuse."""
+        plan = self.plan(batch)
+        self._last = None
+        if plan is None:
+            raise ValueError(f"a copy is larger than the {self.buffer_bytes}-byte staging buffer")
+        if batch.count == 0:
+            return None
+        self.allocate()
+        # the filling stream gathers (GPU->CPU) or moves pieces in (CPU->GPU); the job's own
+        # stream drains them (moves out, or scatters) and so ends the job after its last piece
+        fill, drain = self._fill_stream, stream
+        assert fill is not None
+        used = [(self._next + p) % len(self._ring) for p in range(plan.pieces)]
+        self._next = (self._next + plan.pieces) % len(self._ring)
+        bases = np.array([self._ring[b].memory.data_ptr() for b in used], dtype=np.int64)
+        kernel_table, runs = staged_tables(batch, plan, bases, self._gpu_to_cpu)
+        largest = int(batch.sizes.max())
+        if self._gpu_to_cpu and after is not None:
+            fill.wait_stream(after)
+        copies, run_starts = plan.copy_piece_starts, plan.run_piece_starts
+        for piece, b in enumerate(used):
+            buffer = self._ring[b]
+            first, count = int(copies[piece]), int(copies[piece + 1] - copies[piece])
+            piece_runs = runs.columns(int(run_starts[piece]), int(run_starts[piece + 1]))
+            with torch.cuda.stream(fill):
+                fill.wait_event(buffer.free)
+                if self._gpu_to_cpu:
+                    self._kernel.launch(kernel_table, first, count, largest)
+                else:
+                    self._dma.copy(piece_runs, fill)
+                buffer.filled.record(fill)
+            drain.wait_event(buffer.filled)
+            if self._gpu_to_cpu:
+                self._dma.copy(piece_runs, drain)
+            else:
+                self._kernel.launch(kernel_table, first, count, largest)
+            buffer.free.record(drain)
+        return (kernel_table, runs)
+
+
+def staged_tables(
+    batch: CopyBatch,
+    plan: StagingPlan,
+    bases: npt.NDArray[np.int64],
+    gpu_to_cpu: bool,
+    pinned: bool = True,
+) -> tuple[torch.Tensor, CopyBatch]:
+    """The kernel's (3, copies) table between the GPU tensors and the buffers (pinned: the
+    kernel reads it from host memory), and the runs' DMA descriptors between the buffers and
+    the host; `bases` holds each piece's buffer address."""
+    starts = plan.copy_piece_starts
+    piece_of_copy = np.repeat(np.arange(plan.pieces), np.diff(starts))
+    piece_of_run = np.repeat(np.arange(plan.pieces), np.diff(plan.run_piece_starts))
+    staged = bases[piece_of_copy] + plan.offsets
+    gpu = batch.src if gpu_to_cpu else batch.dst
+    kernel_table = torch.empty((3, plan.copies), dtype=torch.int64, pin_memory=pinned)
+    table = kernel_table.numpy()
+    table[0], table[1] = (gpu, staged) if gpu_to_cpu else (staged, gpu)
+    table[2] = batch.sizes
+    runs = CopyBatch.allocate(plan.runs)
+    run_staged = bases[piece_of_run] + plan.run_offsets
+    runs.rows[0], runs.rows[1] = (
+        (run_staged, plan.run_host) if gpu_to_cpu else (plan.run_host, run_staged)
+    )
+    runs.rows[2] = plan.run_bytes
+    return kernel_table, runs.with_total(int(plan.run_bytes.sum()))
