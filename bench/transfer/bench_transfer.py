@@ -5,7 +5,9 @@ populated, registered 4-worker region (this process is rank 0, two tensors per w
   (a) a 1 GiB contiguous pinned copy: the link's peak, one way and both ways at once;
   (b) vLLM's method: one cuMemcpyBatchAsync per job for all of its copies;
   (c) kvshm's handler end to end: pointer math, backend choice, issue, completion.
-Also both directions at once through the handlers, and the CPU cost of issuing a block.
+Also both directions at once through the handlers, and the CPU cost of issuing a block; then
+the same for a many-layer layout (--layers tensors per worker, default 32), where each block's
+pages form one run of the region and the staged backend applies.
 
 Run on a GPU machine from the repository root:
     PYTHONPATH=agent:operator python3 bench/transfer/bench_transfer.py [--sweep] [--json FILE]

@@ -8,8 +8,19 @@ copy kernel both ways and the copy engines below 64 KiB, and what a staged copy 
               (is the engines' cap the driver's cost per descriptor, or scattered addresses?)
   gather      CPU gather/scatter of region blocks to/from a contiguous pinned buffer, by
               thread count (what a staged copy would cost the serving pod's cores)
+  variants    the bounded kernel's cache hints, chunk sizes and uneven grids per direction
+  hosttable   the kernel reading its table from pinned memory: alone, both ways, beside DMA,
+              split with DMA, and on contiguous host memory
 
-    PYTHONPATH=agent:operator python3 bench/transfer/explore_limits.py [parts...]
+    PYTHONPATH=agent:operator python3 bench/transfer/explore_limits.py [--dir=D] [parts...]
+
+and, for the layouts of 2 x 16 KiB, 2 x 64 KiB and 32 x 16 KiB pages per worker:
+
+  layers      each backend (and kernel grids) steady over 16 jobs and beside a stream of
+              matrix products: GB/s, and how much longer the products take
+              [--staged: also where a staged job's time goes]
+
+    PYTHONPATH=agent:operator python3 bench/transfer/explore_limits.py layers [--staged]
 """
 
 from __future__ import annotations
