@@ -94,7 +94,11 @@ class StagedBackend(CopyBackend):
         plan = self.plan(batch)
         self._last = None
         if plan is None:
-            raise ValueError(f"a copy is larger than the {self.buffer_bytes}-byte staging buffer")
+            raise ValueError(
+                f"a copy of {int(batch.sizes.max())} bytes does not fit a staging buffer of "
+                f"{self.buffer_bytes} bytes: raise TransferOptions.staging_buffer_bytes or let "
+                f"the handler choose another backend"
+            )
         if batch.count == 0:
             return None
         self.allocate()
