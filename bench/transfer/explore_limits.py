@@ -188,6 +188,46 @@ def hosttable(setup: Setup) -> None:
         print(f"{label} {d} hosttable kernel, host side contiguous: {r:.1f} GB/s", flush=True)
 
 
+def ordering(setup: Setup) -> None:
+    """DMA descriptors in the job's order, sorted by host address, or by device address."""
+    block = setup.block
+    stream = torch.cuda.Stream()
+    for direction in ("H2D", "D2H"):
+        host_row = 0 if direction == "H2D" else 1
+        attrs = attrs_for(direction)
+        jobs = batches(setup, direction)
+        for variant in ("job order", "host sorted", "device sorted"):
+            changed = []
+            for b in jobs:
+                c = CopyBatch.allocate(b.count)
+                key = b.rows[host_row] if variant == "host sorted" else b.rows[1 - host_row]
+                c.rows[:] = b.rows if variant == "job order" else b.rows[:, np.argsort(key)]
+                changed.append(c.with_total(b.total_bytes))
+
+            def issue(jobs: list[CopyBatch] = changed, attrs: object = attrs) -> None:
+                for b in jobs:
+                    issue_dma(b, attrs, stream.cuda_stream, fixed(128))
+
+            r = gbps(setup.pass_bytes, median_seconds(lambda: wall(issue), REPS))
+            print(f"{block // KIB}K {direction} dma {variant}: {r:.1f} GB/s", flush=True)
+            if block <= 64 * KIB:
+                kernel = KernelBackend(torch.device("cuda", 0))
+
+                alive: list[object] = []  # the pinned tables, until the kernels are done
+
+                def launch(
+                    jobs: list[CopyBatch] = changed,
+                    kernel: KernelBackend = kernel,
+                    alive: list[object] = alive,
+                ) -> None:
+                    alive.clear()
+                    with torch.cuda.stream(stream):
+                        alive.extend(kernel.copy(b, stream) for b in jobs)
+
+                r = gbps(setup.pass_bytes, median_seconds(lambda: wall(launch), REPS))
+                print(f"{block // KIB}K {direction} kernel {variant}: {r:.1f} GB/s", flush=True)
+
+
 def device_table(batch: CopyBatch) -> torch.Tensor:
     return batch.table.to("cuda")
 
@@ -555,6 +595,7 @@ def main_layers() -> None:
 
 
 PARTS = {
+    "ordering": ordering,
     "hosttable": hosttable,
     "variants": variants,
     "persistent": persistent,

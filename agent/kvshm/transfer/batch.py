@@ -31,6 +31,14 @@ class CopyBatch:
         rows = self.rows[:, start:stop]
         return CopyBatch(self.table[:, start:stop], rows, int(rows[2].sum()))
 
+    def sorted_by_destination(self) -> CopyBatch:
+        """The same copies, in ascending destination address (equal ones keep their order)."""
+        order = np.argsort(self.rows[1], kind="stable")
+        if np.all(order[1:] > order[:-1]):
+            return self
+        table = torch.from_numpy(np.ascontiguousarray(self.rows[:, order]))
+        return CopyBatch(table, table.numpy(), self.total_bytes)
+
     @property
     def count(self) -> int:
         return int(self.rows.shape[1])

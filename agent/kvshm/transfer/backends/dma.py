@@ -44,9 +44,15 @@ class DmaBackend(CopyBackend):
         self._attributes = direction.attributes()
         self._per_call = descriptors_per_call
         self.uses_batch = use_batch and driver.has_batch
+        self._sort_by_destination = direction.gpu_to_cpu
 
     def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> None:
         handle = int(stream.cuda_stream)
+        if self._sort_by_destination:
+            # writes to host memory in ascending address order: 64 KiB blocks to random region
+            # rows moved 53.0 GB/s sorted against 50.9 in the job's order (H200); reads from
+            # host memory do not care (docs/transfer.md)
+            batch = batch.sorted_by_destination()
         if self.uses_batch and self._copy_batched(batch, handle):
             return
         self._copy_each(batch, handle)
