@@ -5,6 +5,9 @@ populated, registered 4-worker region (this process is rank 0, two tensors per w
   (a) a 1 GiB contiguous pinned copy: the link's peak, one way and both ways at once;
   (b) vLLM's method: one cuMemcpyBatchAsync per job for all of its copies;
   (c) kvshm's handler end to end: pointer math, backend choice, issue, completion.
+Each timing of (b) and (c) moves 1 GiB, as (a) does: 64 MiB jobs over all of rank 0's rows,
+swept four times with fresh random ids (--pass-mib 256 times a single sweep, a burst from an
+idle GPU in which the first job's planning weighs four times as much).
 Also both directions at once through the handlers, and the CPU cost of issuing a block; then
 the same for a many-layer layout (--layers tensors per worker, default 32), where each block's
 pages form one run of the region and the staged backend applies.
@@ -46,6 +49,8 @@ REGION_BYTES = GIB
 WORKERS = 4
 TENSORS = 2
 JOB_BYTES = 64 * MIB
+PASS_BYTES = GIB  # each timing moves as much as (a)'s one copy
+BURST_BYTES = 256 * MIB  # one sweep of rank 0's rows: what the experiment scripts time
 DIRECTIONS = ("H2D", "D2H")
 
 
@@ -122,8 +127,14 @@ class Setup:
 
 
 def make_setup(
-    block: int, directory: str, rng: np.random.Generator, tensors: int = TENSORS
+    block: int,
+    directory: str,
+    rng: np.random.Generator,
+    tensors: int = TENSORS,
+    pass_bytes: int = PASS_BYTES,
 ) -> Setup:
+    """Rank 0's rows of the region moved as 64 MiB jobs with random ids on both sides, as
+    many sweeps over them (with fresh ids) as make pass_bytes."""
     rows = REGION_BYTES // (WORKERS * tensors * block)
     instance = f"bench-{uuid.uuid4().hex[:12]}"
     args = (instance, REGION_BYTES, rows)
@@ -141,14 +152,16 @@ def make_setup(
     refs = [[CanonicalKVCacheRef(t, block) for t in range(tensors)]]
     pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, pin=False)
     per_job = max(1, JOB_BYTES // (tensors * block))
-    gpu_ids, cpu_ids = rng.permutation(rows), rng.permutation(rows)
+    sweeps = max(1, pass_bytes // (rows * tensors * block))
     stores, loads = [], []
-    for start in range(0, rows, per_job):
-        g, c = gpu_ids[start : start + per_job], cpu_ids[start : start + per_job]
-        gpu_spec = GPULoadStoreSpec(g, [len(g)], [0])
-        stores.append((gpu_spec, CPULoadStoreSpec(c)))
-        loads.append((CPULoadStoreSpec(c), gpu_spec))
-    return Setup(block, creator, region, pair, stores, loads, rows * tensors)
+    for _ in range(sweeps):
+        gpu_ids, cpu_ids = rng.permutation(rows), rng.permutation(rows)
+        for start in range(0, rows, per_job):
+            g, c = gpu_ids[start : start + per_job], cpu_ids[start : start + per_job]
+            gpu_spec = GPULoadStoreSpec(g, [len(g)], [0])
+            stores.append((gpu_spec, CPULoadStoreSpec(c)))
+            loads.append((CPULoadStoreSpec(c), gpu_spec))
+    return Setup(block, creator, region, pair, stores, loads, sweeps * rows * tensors)
 
 
 def handler_for(setup: Setup, direction: str, **kwargs: Any) -> SingleDirectionOffloadingHandler:
@@ -479,7 +492,7 @@ def many_layers(
         return []
     out: list[dict[str, Any]] = []
     for page in [int(k) * KIB for k in args.layer_pages.split(",")]:
-        setup = make_setup(page, args.dir, rng, tensors=args.layers)
+        setup = make_setup(page, args.dir, rng, tensors=args.layers, pass_bytes=args.pass_mib * MIB)
         try:
             for direction in DIRECTIONS:
                 row: dict[str, Any] = {"page": page, "dir": direction, "peak": peak[direction]}
@@ -524,6 +537,12 @@ def main() -> None:
     parser.add_argument("--dir", default="/dev/shm", help="where to create the region")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument(
+        "--pass-mib",
+        type=int,
+        default=PASS_BYTES // MIB,
+        help="bytes each timing moves, in MiB (256 = one sweep of rank 0's rows: a burst)",
+    )
+    parser.add_argument(
         "--sizes", default=",".join(str(b // KIB) for b in BLOCK_SIZES), help="block sizes in KiB"
     )
     parser.add_argument(
@@ -559,7 +578,7 @@ def main() -> None:
     both: list[dict[str, Any]] = []
     sweeps: list[dict[str, Any]] = []
     for block in blocks:
-        setup = make_setup(block, args.dir, rng)
+        setup = make_setup(block, args.dir, rng, pass_bytes=args.pass_mib * MIB)
         try:
             for direction in DIRECTIONS:
                 vllm = one_call_per_job(setup, direction, args.reps)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from bench_transfer import (
+    BURST_BYTES,
     KIB,
     Setup,
     gbps,
@@ -199,7 +200,7 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}")
     rng = np.random.default_rng(1)
     for block in (16 * KIB, 64 * KIB, 256 * KIB):
-        setup = make_setup(block, "/dev/shm", rng)
+        setup = make_setup(block, "/dev/shm", rng, pass_bytes=BURST_BYTES)
         try:
             b = f"{block // KIB}K"
             for direction in ("H2D", "D2H"):

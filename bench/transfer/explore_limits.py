@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from bench_transfer import KIB, Setup, gbps, make_setup, median_seconds, wall
+from bench_transfer import BURST_BYTES, KIB, Setup, gbps, make_setup, median_seconds, wall
 from explore import attrs_for, batches, fixed, issue_dma, part
 
 from kvshm.transfer.backends.kernel import KernelBackend
@@ -585,7 +585,7 @@ def main_layers() -> None:
     if "--kernel-only" in sys.argv:
         layouts = ((16 * KIB, 2), (256 * KIB, 2))
     for page, tensors in layouts:
-        setup = make_setup(page, "/dev/shm", rng, tensors=tensors)
+        setup = make_setup(page, "/dev/shm", rng, tensors=tensors, pass_bytes=BURST_BYTES)
         try:
             overlap(setup)
             if tensors > 2 and "--staged" in sys.argv:
@@ -618,7 +618,7 @@ def main() -> None:
     )
     rng = np.random.default_rng(1)
     for block in (16 * KIB, 64 * KIB, 256 * KIB, 1024 * KIB):
-        setup = make_setup(block, directory, rng)
+        setup = make_setup(block, directory, rng, pass_bytes=BURST_BYTES)
         try:
             for name in chosen:
                 if name == "gather" and block > 64 * KIB:

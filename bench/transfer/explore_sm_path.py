@@ -16,7 +16,7 @@ import ctypes
 
 import numpy as np
 import torch
-from bench_transfer import KIB, gbps, make_setup, median_seconds, wall
+from bench_transfer import BURST_BYTES, KIB, gbps, make_setup, median_seconds, wall
 from cuda.bindings import driver as cu
 from cuda.bindings import nvrtc
 from explore import batches
@@ -136,7 +136,7 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}", flush=True)
     rng = np.random.default_rng(1)
     for block in (16 * KIB, 64 * KIB):
-        setup = make_setup(block, "/dev/shm", rng)
+        setup = make_setup(block, "/dev/shm", rng, pass_bytes=BURST_BYTES)
         try:
             for chunk in (16 * KIB,):
                 module = compile_module(chunk)
