@@ -267,3 +267,22 @@ def test_many_layers_of_small_pages_are_staged_and_byte_exact(
     for tensor, original in zip(gpu, originals, strict=True):
         assert torch.equal(tensor[targets], original)
     pair.shutdown()
+
+
+@pytest.mark.parametrize("regions", [(16, LAYERS * PAGE)], indirect=True)
+def test_staging_buffers_that_do_not_fit_the_gpu_leave_staging_out(
+    regions: list[SharedOffloadRegion],
+) -> None:
+    """An engine that already claimed its memory still gets working handlers."""
+    region = regions[0]
+    gpu = random_block_data(16, PAGE, LAYERS)
+    refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
+    too_much = TransferOptions(staging_buffer_bytes=1 << 50)  # a petabyte per buffer
+    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, options=too_much)
+    store = pair.gpu_to_cpu_handler
+    assert "staged" not in store.backends and "kernel" in store.backends
+    ids = np.arange(16)
+    run(store, 1, (GPULoadStoreSpec(ids, [16], [0]), CPULoadStoreSpec(ids)))
+    cells = region_bytes(region)[:, : LAYERS * PAGE].reshape(16, LAYERS, PAGE)
+    assert np.array_equal(cells[:, 5], gpu[5].cpu().numpy().view(np.uint8))
+    pair.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,8 @@ from kvshm.transfer.errors import BackendUnavailableError
 from kvshm.transfer.options import TransferOptions
 from kvshm.transfer.specs import CanonicalKVCacheRef
 from kvshm.transfer.tensors import ALIGNMENT, TensorPairs
+
+log = logging.getLogger(__name__)
 
 Backends = tuple[dict[str, CopyBackend], dict[str, str]]
 
@@ -70,8 +73,18 @@ def build_backends(
             options.staging_buffer_bytes,
             options.staging_buffers,
         )
-        staged.allocate()
-        backends["staged"] = staged
+        try:
+            staged.allocate()
+            backends["staged"] = staged
+        except torch.OutOfMemoryError as exc:
+            # the engine has already claimed its KV cache: go on without staging rather than
+            # fail to start
+            unavailable["staged"] = (
+                f"could not reserve {options.staging_buffers} x {options.staging_buffer_bytes} "
+                f"bytes of GPU memory for staging ({exc}); lower staging_buffer_bytes or leave "
+                f"the GPU that much room"
+            )
+            log.warning("copy backend staged not used: %s", unavailable["staged"])
     elif staging:
         unavailable["staged"] = f"staging_buffers is {options.staging_buffers}; it needs 2 or more"
     reason = unmapped_reason(driver, pairs.cpu)
