@@ -10,7 +10,9 @@ swept four times with fresh random ids (--pass-mib 256 times a single sweep, a b
 idle GPU in which the first job's planning weighs four times as much).
 Also both directions at once through the handlers, and the CPU cost of issuing a block; then
 the same for a many-layer layout (--layers tensors per worker, default 32), where each block's
-pages form one run of the region and the staged backend applies.
+pages form one run of the region and the staged backend applies; then, at 16 and 64 KiB, how
+much kvshm's copies and vLLM's slow matrix products running beside them (a serving engine's
+compute), and how fast each copies meanwhile.
 
 Run on a GPU machine from the repository root:
     PYTHONPATH=agent:operator python3 bench/transfer/bench_transfer.py [--sweep] [--json FILE]
@@ -183,7 +185,8 @@ def specs_for(setup: Setup, direction: str) -> list[tuple[Any, Any]]:
 # -- (b) vLLM's method -------------------------------------------------------------------------
 
 
-def one_call_per_job(setup: Setup, direction: str, reps: int) -> float:
+def one_call_issue(setup: Setup, direction: str, synchronize: bool = False) -> Callable[[], None]:
+    """vLLM's method with the descriptors precomputed: one cuMemcpyBatchAsync per job."""
     handler = handler_for(setup, direction, backend="dma")
     batches = [handler._planner.plan(spec) for spec in specs_for(setup, direction)]
     handler.shutdown()
@@ -203,7 +206,14 @@ def one_call_per_job(setup: Setup, direction: str, reps: int) -> float:
                 stream.cuda_stream,
             )
             driver.check("cuMemcpyBatchAsync", code)
+        if synchronize:
+            stream.synchronize()
 
+    return issue
+
+
+def one_call_per_job(setup: Setup, direction: str, reps: int) -> float:
+    issue = one_call_issue(setup, direction)
     return gbps(setup.pass_bytes, median_seconds(lambda: wall(issue), reps))
 
 
@@ -300,6 +310,105 @@ def both_directions_gbps(setup: Setup, reps: int, **kwargs: Any) -> float:
     store.shutdown()
     load.shutdown()
     return gbps(2 * half * setup.pass_bytes // len(setup.stores), seconds)
+
+
+# -- beside compute: what the copies cost a serving engine's matrix products ------------------
+
+
+class Compute:
+    """bf16 4096 x 4096 matrix products on their own stream, standing in for decode steps."""
+
+    def __init__(self) -> None:
+        self.a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        self.stream = torch.cuda.Stream()
+        self.ms_each = self.run(50) / 50
+
+    def start(self, count: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            for _ in range(count):
+                torch.mm(self.a, self.a)
+            end.record(self.stream)
+        return start, end
+
+    def run(self, count: int) -> float:
+        start, end = self.start(count)
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+
+def beside_compute(
+    compute: Compute, nbytes: int, issue_and_wait: Callable[[], None], reps: int
+) -> tuple[float, float]:
+    """(GB/s of the transfer, how many times as long the products take) with products of
+    about the transfer's length queued first on their own stream."""
+    count = max(1, round(nbytes / 50e9 * 1e3 / compute.ms_each))
+    alone = statistics.median(compute.run(count) for _ in range(reps))
+    rates, slowed = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = compute.start(count)
+        started = time.perf_counter()
+        issue_and_wait()
+        rates.append(gbps(nbytes, time.perf_counter() - started))
+        end.synchronize()
+        slowed.append(start.elapsed_time(end) / alone)
+    return statistics.median(rates), statistics.median(slowed)
+
+
+def compute_rows(setup: Setup, compute: Compute, reps: int, label: str) -> list[dict[str, Any]]:
+    """kvshm's handler and vLLM's one call per job, each beside the products."""
+    out = []
+    ids = iter(range(10**9))
+    for direction in DIRECTIONS:
+        handler = handler_for(setup, direction)
+        specs = specs_for(setup, direction)
+
+        def kvshm(handler: Any = handler, specs: Any = specs) -> None:
+            jobs = [next(ids) for _ in specs]
+            for job, spec in zip(jobs, specs, strict=True):
+                handler.transfer_async(job, spec)
+            handler.wait(jobs)
+            assert all(r.success for r in handler.get_finished())
+
+        ours = beside_compute(compute, setup.pass_bytes, kvshm, reps)
+        backend = chosen_backend(setup, direction)
+        handler.shutdown()
+        theirs = beside_compute(
+            compute, setup.pass_bytes, one_call_issue(setup, direction, synchronize=True), reps
+        )
+        out.append(
+            {"layout": label, "block": setup.block, "dir": direction, "backend": backend}
+            | {"kvshm": ours[0], "kvshm_slowdown": ours[1]}
+            | {"vllm": theirs[0], "vllm_slowdown": theirs[1]}
+        )
+    return out
+
+
+COMPUTE_HEADER = [
+    "layout",
+    "page",
+    "dir",
+    "kvshm GB/s",
+    "products take",
+    "backend",
+    "vLLM 1 call GB/s",
+    "products take",
+]
+
+
+def compute_row(r: dict[str, Any]) -> list[str]:
+    return [
+        r["layout"],
+        kib(r["block"]),
+        r["dir"],
+        f"{r['kvshm']:.1f}",
+        f"{r['kvshm_slowdown']:.2f}x",
+        r["backend"],
+        f"{r['vllm']:.1f}",
+        f"{r['vllm_slowdown']:.2f}x",
+    ]
 
 
 # -- what the policy would choose, and sweeps --------------------------------------------------
@@ -486,7 +595,11 @@ LAYERS_HEADER = [
 
 
 def many_layers(
-    args: argparse.Namespace, peak: dict[str, float], rng: np.random.Generator
+    args: argparse.Namespace,
+    peak: dict[str, float],
+    rng: np.random.Generator,
+    compute: Compute,
+    beside: list[dict[str, Any]],
 ) -> list[dict[str, Any]]:
     if args.layers <= 0:
         return []
@@ -504,6 +617,8 @@ def many_layers(
                 out.append(row)
             rate = both_directions_gbps(setup, args.reps)
             out.append({"page": page, "dir": "both", "peak": peak["both"], "kvshm": rate})
+            if page == 16 * KIB:
+                beside += compute_rows(setup, compute, args.reps, f"{args.layers} tensors")
         finally:
             setup.close()
     return out
@@ -574,8 +689,10 @@ def main() -> None:
     print(f"issue cost per descriptor (128 x 16 KiB): {json.dumps(issue)}")
 
     rng = np.random.default_rng(0)
+    compute = Compute()
     rows: list[dict[str, Any]] = []
     both: list[dict[str, Any]] = []
+    beside: list[dict[str, Any]] = []
     sweeps: list[dict[str, Any]] = []
     for block in blocks:
         setup = make_setup(block, args.dir, rng, pass_bytes=args.pass_mib * MIB)
@@ -591,12 +708,14 @@ def main() -> None:
                 )
             rate = both_directions_gbps(setup, args.reps)
             both.append({"block": block, "peak": peak["both"], "kvshm": rate})
+            if block in (16 * KIB, 64 * KIB):
+                beside += compute_rows(setup, compute, args.reps, f"{TENSORS} tensors")
             if args.sweep:
                 sweeps += sweep(setup, max(3, args.reps // 2))
         finally:
             setup.close()
 
-    layers = many_layers(args, peak, rng)
+    layers = many_layers(args, peak, rng, compute, beside)
 
     print(f"\n{device}: GB/s, 1 GiB registered 4-worker region, random ids, 64 MiB jobs")
     print(f"{TENSORS} tensors per worker (the goals' layout)")
@@ -609,6 +728,11 @@ def main() -> None:
             "run of the region; kvshm (auto) against each backend forced"
         )
         table(LAYERS_HEADER, [layers_row(r) for r in layers])
+    print(
+        "\nbeside compute: bf16 4096x4096 products queued first on their own stream, about as "
+        "long as the transfer; how many times as long they take beside it"
+    )
+    table(COMPUTE_HEADER, [compute_row(r) for r in beside])
     if sweeps:
         print("\nsweep (handler end to end, forced backend)")
         table(
@@ -646,6 +770,7 @@ def main() -> None:
                     "both": both,
                     "sweep": sweeps,
                     "layers": layers,
+                    "beside_compute": beside,
                     "default_kernel_chunk": DEFAULT_KERNEL_CHUNK_BYTES,
                 },
                 out,
