@@ -136,9 +136,12 @@ def test_a_job_id_in_flight_cannot_be_reused(handler: SingleDirectionOffloadingH
     assert handler.transfer_async(1, spec)  # finished ids may come back
 
 
-def test_asking_for_a_gpu_backend_with_cpu_tensors_says_why() -> None:
-    with pytest.raises(BackendUnavailableError, match="'dma' cannot be used: the 'GPU' tensors"):
-        build(backend="dma")
+@pytest.mark.parametrize("backend", ["dma", "kernel", "staged"])
+def test_asking_for_a_gpu_backend_with_cpu_tensors_says_why(backend: str) -> None:
+    with pytest.raises(
+        BackendUnavailableError, match=f"'{backend}' cannot be used: the 'GPU' tensors"
+    ):
+        build(backend=backend)
 
 
 def test_backend_override_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
