@@ -35,6 +35,7 @@ class _Job:
     job_id: int
     ticket: Ticket
     size_bytes: int
+    backend: str
 
 
 def _timeline_for(device: torch.device, options: TransferOptions) -> Timeline:
@@ -125,7 +126,7 @@ class SingleDirectionOffloadingHandler:
             after = torch.cuda.current_stream(self.device)  # the compute the store must follow
         work = partial(backend.copy, batch, after=after)
         ticket = self._timeline.launch(work, self.gpu_to_cpu)
-        job = _Job(job_id, ticket, batch.total_bytes)
+        job = _Job(job_id, ticket, batch.total_bytes, backend.name)
         self._jobs.append(job)
         self._pending[job_id] = job
         return True
@@ -144,7 +145,7 @@ class SingleDirectionOffloadingHandler:
         del self._pending[job.job_id]
         success = ticket.error is None
         if success:
-            self._metrics.finished(job.size_bytes, seconds)
+            self._metrics.finished(job.size_bytes, seconds, job.backend)
         else:
             log.error("transfer job %d failed: %s", job.job_id, ticket.error)
             self._metrics.failed()

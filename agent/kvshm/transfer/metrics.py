@@ -21,7 +21,11 @@ _SECONDS = Counter(
     "Time finished transfer jobs took, start to end of their copies",
     ["direction"],
 )
-_JOBS = Counter("kvshm_transfer_jobs_total", "Finished transfer jobs", ["direction"])
+_JOBS = Counter(
+    "kvshm_transfer_jobs_total",
+    "Finished transfer jobs, by the copy backend that moved them",
+    ["direction", "backend"],
+)
 _FAILURES = Counter("kvshm_transfer_failures_total", "Failed transfer jobs", ["direction"])
 _SIZE = Histogram(
     "kvshm_transfer_size_bytes",
@@ -38,12 +42,13 @@ class TransferMetrics:
         label = direction.value
         self._bytes = _BYTES.labels(label)
         self._seconds = _SECONDS.labels(label)
-        self._jobs = _JOBS.labels(label)
+        self._label = label
         self._failures = _FAILURES.labels(label)
         self._size = _SIZE.labels(label)
 
-    def finished(self, size_bytes: int, seconds: float) -> None:
-        self._jobs.inc()
+    def finished(self, size_bytes: int, seconds: float, backend: str) -> None:
+        """backend: one of the few copy backend names (dma, kernel, staged, cpu)."""
+        _JOBS.labels(self._label, backend).inc()
         self._bytes.inc(size_bytes)
         self._seconds.inc(seconds)
         self._size.observe(size_bytes)
