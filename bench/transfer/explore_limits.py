@@ -18,7 +18,8 @@ and, for the layouts of 2 x 16 KiB, 2 x 64 KiB and 32 x 16 KiB pages per worker:
 
   layers      each backend (and kernel grids) steady over 16 jobs and beside a stream of
               matrix products: GB/s, and how much longer the products take
-              [--staged: also where a staged job's time goes]
+              [--staged: also where a staged job's time goes; --staged-only: that alone,
+              with staging buffer sizes, 1 GiB per timing]
 
     PYTHONPATH=agent:operator python3 bench/transfer/explore_limits.py layers [--staged]
 """
@@ -462,7 +463,7 @@ def staged_direction(setup: Setup, direction: str) -> None:
     from kvshm.transfer.backends.staged import StagedBackend, staged_tables
 
     label = f"{setup.block // KIB}K x{len(setup.pair.gpu_tensors)}"
-    for mib, count in ((8, 3), (32, 2), (32, 3), (64, 2)):
+    for mib, count in ((8, 2), (8, 3), (16, 2), (32, 2), (32, 3), (64, 2)):
         options = TransferOptions(staging_buffer_bytes=mib << 20, staging_buffers=count)
         r = handler_gbps(setup, direction, REPS, backend="staged", options=options)[0]
         print(f"{label} {direction} staged {count} x {mib} MiB: {r:.1f} GB/s", flush=True)
@@ -472,7 +473,8 @@ def staged_direction(setup: Setup, direction: str) -> None:
     gpu_to_cpu = direction == "D2H"
     stream = torch.cuda.Stream()
     attrs = attrs_for(direction)
-    kernel = KernelBackend(torch.device("cuda", 0))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kernel = KernelBackend(torch.device("cuda", 0), programs=2 * sms)  # as the staged backend's
     prepared = []
     for b in jobs:
         planner = StagedBackend(torch.device("cuda", 0), gpu_to_cpu, None, None, whole, 2)  # type: ignore[arg-type]
@@ -584,6 +586,14 @@ def main_layers() -> None:
     layouts = ((16 * KIB, 2), (64 * KIB, 2), (16 * KIB, 32))
     if "--kernel-only" in sys.argv:
         layouts = ((16 * KIB, 2), (256 * KIB, 2))
+    if "--staged-only" in sys.argv:  # staging buffer sizes, 1 GiB per timing
+        for page in (16 * KIB, 64 * KIB):
+            setup = make_setup(page, "/dev/shm", rng, tensors=32)
+            try:
+                staged(setup)
+            finally:
+                setup.close()
+        return
     for page, tensors in layouts:
         setup = make_setup(page, "/dev/shm", rng, tensors=tensors, pass_bytes=BURST_BYTES)
         try:
