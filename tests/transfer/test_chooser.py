@@ -94,11 +94,12 @@ def test_jobs_whose_region_side_forms_long_runs_are_staged(direction: Direction)
     assert choose(cells_batch(32, 16 * 1024, 64, gpu_to_cpu)).name == "staged"
     # 2 tensors of 16 KiB pages: 32 KiB runs, too short to pay for staging
     assert label(choose(cells_batch(2, 16 * 1024, 64, gpu_to_cpu))) == "kernel"
-    # 2 MiB pages: the copies are large already
+    # 64 KiB pages in 2 MiB runs, and 2 MiB pages: the copies are large enough already
+    assert label(choose(cells_batch(32, 64 * 1024, 8, gpu_to_cpu))) == "dma"
     assert label(choose(cells_batch(2, 2 << 20, 8, gpu_to_cpu))) == "dma"
 
 
 def test_a_copy_larger_than_the_staging_buffer_is_not_staged() -> None:
-    policy = BackendPolicy(staged_from_run_bytes=64 << 20)
+    policy = BackendPolicy(staged_from_run_bytes=64 << 20, staged_below_copy_bytes=32 << 20)
     choose = staging_chooser(Direction.GPU_TO_CPU, policy).choose
     assert label(choose(cells_batch(4, 16 << 20, 2, True))) == "dma"  # 16 MiB > 8 MiB buffer

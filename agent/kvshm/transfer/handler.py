@@ -16,6 +16,7 @@ from kvshm.transfer.errors import HandlerClosedError, InvalidTransferSpecError
 from kvshm.transfer.metrics import Direction, TransferMetrics
 from kvshm.transfer.options import TransferOptions
 from kvshm.transfer.plan import JobPlanner
+from kvshm.transfer.pointers import RowGeometry
 from kvshm.transfer.specs import (
     CPU_MEDIUM,
     GPU_MEDIUM,
@@ -36,6 +37,28 @@ class _Job:
     ticket: Ticket
     size_bytes: int
     backend: str
+
+
+def _why_not_staged(
+    cpu: Sequence[RowGeometry],
+    group_refs: Sequence[Sequence[CanonicalKVCacheRef]],
+    policy: BackendPolicy,
+) -> str | None:
+    """Why no job of this layout could be staged under the policy, or None if some could (its
+    buffers are then reserved with the handler)."""
+    runs = layout_run_bytes(cpu, group_refs)
+    if runs < policy.staged_from_run_bytes:
+        return (
+            f"a CPU block gives runs of at most {runs} bytes, below the policy's "
+            f"{policy.staged_from_run_bytes}"
+        )
+    smallest = min(ref.page_size_bytes for refs in group_refs for ref in refs)
+    if smallest >= policy.staged_below_copy_bytes:
+        return (
+            f"the pages ({smallest} bytes or more) reach the link by DMA as they are (the "
+            f"policy stages copies under {policy.staged_below_copy_bytes} bytes)"
+        )
+    return None
 
 
 def _timeline_for(device: torch.device, options: TransferOptions) -> Timeline:
@@ -84,19 +107,13 @@ class SingleDirectionOffloadingHandler:
         options = options or TransferOptions()
         policy = policy or BackendPolicy()
         override = backend if backend is not None else override_from_env()
-        runs = layout_run_bytes(pairs.cpu, self.kv_cache_groups_data_refs)
-        staging = override == "staged" or (
-            override is None and runs >= policy.staged_from_run_bytes
-        )
+        why_not = _why_not_staged(pairs.cpu, self.kv_cache_groups_data_refs, policy)
+        staging = override == "staged" or (override is None and why_not is None)
         backends, unavailable = build_backends(
             pairs, self.kv_cache_groups_data_refs, self.gpu_to_cpu, options, staging
         )
-        if not staging:
-            unavailable.setdefault(
-                "staged",
-                f"a CPU block gives runs of at most {runs} bytes, below the policy's "
-                f"{policy.staged_from_run_bytes}",
-            )
+        if why_not is not None:
+            unavailable.setdefault("staged", why_not)
         self._chooser = BackendChooser(backends, unavailable, self.direction, policy, override)
         self._timeline = _timeline_for(pairs.device, options)
         self._metrics = TransferMetrics(self.direction)
