@@ -94,8 +94,9 @@ def test_jobs_whose_region_side_forms_long_runs_are_staged(direction: Direction)
     assert choose(cells_batch(32, 16 * 1024, 64, gpu_to_cpu)).name == "staged"
     # 2 tensors of 16 KiB pages: 32 KiB runs, too short to pay for staging
     assert label(choose(cells_batch(2, 16 * 1024, 64, gpu_to_cpu))) == "kernel"
-    # 64 KiB pages in 2 MiB runs, and 2 MiB pages: the copies are large enough already
-    assert label(choose(cells_batch(32, 64 * 1024, 8, gpu_to_cpu))) == "dma"
+    # 64 KiB pages in 2 MiB runs are staged too; 128 KiB and 2 MiB pages are large enough
+    assert choose(cells_batch(32, 64 * 1024, 8, gpu_to_cpu)).name == "staged"
+    assert label(choose(cells_batch(32, 128 * 1024, 8, gpu_to_cpu))) == "dma"
     assert label(choose(cells_batch(2, 2 << 20, 8, gpu_to_cpu))) == "dma"
 
 

@@ -213,5 +213,5 @@ def test_a_layout_is_staged_only_with_long_runs_of_small_pages() -> None:
     assert _why_not_staged(views(16 * 1024, 32), layers, policy) is None
     two = [[CanonicalKVCacheRef(t, 16 * 1024) for t in range(2)]]
     assert "runs of at most 32768 bytes" in str(_why_not_staged(views(16 * 1024, 2), two, policy))
-    large = [[CanonicalKVCacheRef(t, 64 * 1024) for t in range(32)]]
-    assert "reach the link by DMA" in str(_why_not_staged(views(64 * 1024, 32), large, policy))
+    large = [[CanonicalKVCacheRef(t, 128 * 1024) for t in range(32)]]
+    assert "reach the link by DMA" in str(_why_not_staged(views(128 * 1024, 32), large, policy))
