@@ -16,7 +16,12 @@ import numpy.typing as npt
 
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.errors import InvalidTransferSpecError
-from kvshm.transfer.pointers import RowGeometry, blocks_spanned, check_ids_in_range
+from kvshm.transfer.pointers import (
+    RowGeometry,
+    blocks_spanned,
+    check_ids_in_range,
+    fill_sub_block_ptrs,
+)
 from kvshm.transfer.specs import (
     CanonicalKVCacheRef,
     CPULoadStoreSpec,
@@ -111,21 +116,23 @@ class JobPlanner:
             if n == 0:
                 continue
             refs = geometry.page.shape[1]
-            gpu_ids = gpu_spec.block_ids[part.gpu_start : part.gpu_start + n, None]
+            gpu_ids = gpu_spec.block_ids[part.gpu_start : part.gpu_start + n]
             cpu_ids = cpu_spec.block_ids[part.cpu_start : part.cpu_start + part.cpu_count]
             rows = batch.rows[:, at : at + refs * n].reshape(3, n, refs)
             # copy (k, r): ref r's page of the group's k-th GPU block, and where it sits in its
-            # CPU block (SEMANTICS §3 for every ref at once); block by block, so each block's
-            # pages stay together
-            np.multiply(gpu_ids, geometry.gpu_stride, out=rows[gpu_row])
-            rows[gpu_row] += geometry.gpu_base
-            if self._factor == 1:
-                np.multiply(cpu_ids[:n, None], geometry.cpu_stride, out=rows[cpu_row])
-            else:
-                blocks, slots = np.divmod(np.arange(part.skip, part.skip + n), self._factor)
-                np.multiply(cpu_ids[blocks, None], geometry.cpu_stride, out=rows[cpu_row])
-                rows[cpu_row] += slots[:, None] * geometry.cpu_sub_block
-            rows[cpu_row] += geometry.cpu_base
+            # CPU block, for every ref at once; block by block, so each block's pages stay
+            # together
+            g = geometry
+            fill_sub_block_ptrs(gpu_ids, 1, rows[gpu_row], g.gpu_base, g.gpu_stride, 0, 0)
+            fill_sub_block_ptrs(
+                cpu_ids,
+                self._factor,
+                rows[cpu_row],
+                g.cpu_base,
+                g.cpu_stride,
+                g.cpu_sub_block,
+                part.skip,
+            )
             rows[2] = geometry.page
             total += n * int(geometry.page.sum())
             at += refs * n

@@ -17,6 +17,8 @@ import torch
 from kvshm.transfer.errors import InvalidTransferSpecError
 
 Pointers = npt.NDArray[np.int64]
+PerTensor = int | npt.NDArray[np.int64]
+"""One tensor's value, or a (1, refs) row of several tensors' values."""
 
 
 @dataclass(frozen=True)
@@ -83,21 +85,27 @@ def check_ids_in_range(block_ids: npt.NDArray[np.int64], num_rows: int, what: st
 def fill_sub_block_ptrs(
     block_ids: npt.NDArray[np.int64],
     block_size_factor: int,
-    output: Pointers,
-    geometry: RowGeometry,
+    output: npt.NDArray[np.int64],
+    base: PerTensor,
+    row_stride: PerTensor,
+    sub_block_bytes: PerTensor,
     skip_count: int,
 ) -> None:
-    """compute_sub_block_ptrs without checks: the caller has validated every argument."""
+    """compute_sub_block_ptrs without checks: the caller has validated every argument.
+
+    base, row_stride and sub_block_bytes are one tensor's (ints, output of shape (n,)) or
+    several tensors' ((1, refs) arrays, output of shape (n, refs): row k holds sub-block k of
+    every tensor)."""
     count = len(output)
+    column = (slice(None), None) if output.ndim == 2 else (slice(None),)
     if block_size_factor == 1:
-        np.multiply(block_ids[:count], geometry.row_stride, out=output)
-        output += geometry.base
-        return
-    sub_block_bytes = geometry.row_width // block_size_factor
-    blocks, parts = np.divmod(np.arange(skip_count, skip_count + count), block_size_factor)
-    np.multiply(block_ids[blocks], geometry.row_stride, out=output)
-    output += parts * sub_block_bytes
-    output += geometry.base
+        np.multiply(block_ids[:count][column], row_stride, out=output)
+    else:
+        positions = np.arange(skip_count, skip_count + count, dtype=np.int64)
+        blocks, slots = np.divmod(positions, block_size_factor)
+        np.multiply(block_ids[blocks][column], row_stride, out=output)
+        output += np.multiply(slots[column], sub_block_bytes, dtype=np.int64)
+    output += base
 
 
 def compute_sub_block_ptrs(
@@ -130,4 +138,12 @@ def compute_sub_block_ptrs(
         )
     used = ids[:needed].astype(np.int64, copy=False)
     check_ids_in_range(used, geometry.num_rows, "tensor")
-    fill_sub_block_ptrs(used, block_size_factor, output, geometry, skip_count)
+    fill_sub_block_ptrs(
+        used,
+        block_size_factor,
+        output,
+        geometry.base,
+        geometry.row_stride,
+        geometry.row_width // block_size_factor,
+        skip_count,
+    )
