@@ -38,6 +38,7 @@ class StagingPlan:
     run_bytes: Int64s
     run_piece_starts: Int64s
     """Index of each piece's first run, and the run count at the end."""
+    largest_copy: int
 
     @property
     def pieces(self) -> int:
@@ -87,6 +88,7 @@ def plan_staging(host: Int64s, sizes: Int64s, piece_bytes: int) -> StagingPlan:
         run_offsets=offsets[run_first].astype(np.int64, copy=False),
         run_bytes=run_bytes.astype(np.int64, copy=False),
         run_piece_starts=np.searchsorted(run_first, copy_piece_starts).astype(np.int64),
+        largest_copy=largest,
     )
 
 

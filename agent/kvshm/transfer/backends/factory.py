@@ -61,9 +61,8 @@ def build_backends(
     if reason is not None:
         return backends, {**unavailable, "kernel": reason, "staged": reason}
     device = torch.device("cuda", device_index)
-    kernel = KernelBackend(device, options.kernel_chunk_bytes, programs=options.kernel_programs)
-    # staging needs the kernel on device memory only; the kernel on host memory also needs
-    # the region registered
+    # staging runs the kernel on device memory only; the kernel backend (below) also needs the
+    # region registered
     if staging and options.staging_buffers >= 2:
         # its gathers and scatters touch device memory only: a grid on every SM moves a
         # piece at ~1 TB/s (32 programs manage ~230 GB/s) and then leaves the SMs alone
@@ -93,7 +92,9 @@ def build_backends(
         unavailable["staged"] = f"staging_buffers is {options.staging_buffers}; it needs 2 or more"
     reason = unmapped_reason(driver, pairs.cpu)
     if reason is None:
-        backends["kernel"] = kernel
+        backends["kernel"] = KernelBackend(
+            device, options.kernel_chunk_bytes, programs=options.kernel_programs
+        )
     else:
         unavailable["kernel"] = reason
     return backends, unavailable

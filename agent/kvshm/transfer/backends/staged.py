@@ -78,10 +78,11 @@ class StagedBackend(CopyBackend):
         """The job's staging plan, or None if one of its copies exceeds a buffer."""
         if self._last is not None and self._last[0] is batch:
             return self._last[1]
-        if batch.count and int(batch.sizes.max()) > self.buffer_bytes:
-            return None
         host = batch.dst if self._gpu_to_cpu else batch.src
-        plan = plan_staging(host, batch.sizes, self.buffer_bytes)
+        try:
+            plan = plan_staging(host, batch.sizes, self.buffer_bytes)
+        except ValueError:  # a copy larger than a buffer, the only thing plan_staging refuses
+            return None
         self._last = (batch, plan)
         return plan
 
@@ -110,7 +111,7 @@ class StagedBackend(CopyBackend):
         self._next = (self._next + plan.pieces) % len(self._ring)
         bases = np.array([self._ring[b].memory.data_ptr() for b in used], dtype=np.int64)
         kernel_table, runs = staged_tables(batch, plan, bases, self._gpu_to_cpu)
-        largest = int(batch.sizes.max())
+        largest = plan.largest_copy
         if self._gpu_to_cpu and after is not None:
             fill.wait_stream(after)
         copies, run_starts = plan.copy_piece_starts, plan.run_piece_starts
