@@ -357,22 +357,30 @@ def beside_compute(
     return statistics.median(rates), statistics.median(slowed)
 
 
+def submit_and_wait(
+    handler: SingleDirectionOffloadingHandler, specs: Sequence[Any]
+) -> Callable[[], None]:
+    """Each call submits every spec as a job with a fresh id and waits for all of them
+    (without synchronizing the device first, unlike wall())."""
+    ids = iter(range(10**9))
+
+    def run() -> None:
+        jobs = [next(ids) for _ in specs]
+        for job, spec in zip(jobs, specs, strict=True):
+            handler.transfer_async(job, spec)
+        handler.wait(jobs)
+        assert all(r.success for r in handler.get_finished())
+
+    return run
+
+
 def compute_rows(setup: Setup, compute: Compute, reps: int, label: str) -> list[dict[str, Any]]:
     """kvshm's handler and vLLM's one call per job, each beside the products."""
     out = []
-    ids = iter(range(10**9))
     for direction in DIRECTIONS:
         handler = handler_for(setup, direction)
         specs = specs_for(setup, direction)
-
-        def kvshm(handler: Any = handler, specs: Any = specs) -> None:
-            jobs = [next(ids) for _ in specs]
-            for job, spec in zip(jobs, specs, strict=True):
-                handler.transfer_async(job, spec)
-            handler.wait(jobs)
-            assert all(r.success for r in handler.get_finished())
-
-        ours = beside_compute(compute, setup.pass_bytes, kvshm, reps)
+        ours = beside_compute(compute, setup.pass_bytes, submit_and_wait(handler, specs), reps)
         backend = chosen_backend(setup, direction)
         handler.shutdown()
         theirs = beside_compute(

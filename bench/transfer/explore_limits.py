@@ -487,24 +487,17 @@ def overlap(setup: Setup) -> None:
     """Per backend: GB/s over 16 back-to-back jobs (steady state, not a burst from idle),
     and beside a stream of matrix products: how fast each goes, and how much each slows
     the other (what a serving engine's decode steps would feel)."""
-    from bench_transfer import HandlerRun, handler_for, specs_for
+    from bench_transfer import (
+        Compute,
+        HandlerRun,
+        beside_compute,
+        handler_for,
+        specs_for,
+        submit_and_wait,
+    )
 
     label = f"{setup.block // KIB}K x{len(setup.pair.gpu_tensors)}"
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    compute = torch.cuda.Stream()
-
-    def matmuls(n: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(compute):
-            start.record(compute)
-            for _ in range(n):
-                torch.mm(a, a)
-            end.record(compute)
-        return start, end
-
-    s, e = matmuls(50)
-    torch.cuda.synchronize()
-    per_mm = s.elapsed_time(e) / 50
+    compute = Compute()
     variants = [("kernel", 0), ("kernel", 8), ("kernel", 16), ("kernel", 66), ("kernel", 264)]
     variants += [("dma", 0), ("staged", 0)]
     if "--kernel-only" in sys.argv:
@@ -520,34 +513,13 @@ def overlap(setup: Setup) -> None:
                 handler._chooser._backends["kernel"]._max_programs = programs
                 backend = f"kernel grid {programs}"
             specs = specs_for(setup, direction) * 4
-            run = HandlerRun([handler], [specs])
-            steady = gbps(4 * setup.pass_bytes, median_seconds(run, REPS))
-            n = max(1, int(4 * setup.pass_bytes / 50e9 * 1e3 / per_mm))  # about as long
-            alone = []
-            for _ in range(REPS):
-                s, e = matmuls(n)
-                torch.cuda.synchronize()
-                alone.append(s.elapsed_time(e))
-            together, rates = [], []
-            for _ in range(REPS):
-                torch.cuda.synchronize()
-                s, e = matmuls(n)
-                started = time.perf_counter()
-                ids = list(range(run.next_id, run.next_id + len(specs)))
-                run.next_id += len(specs)
-                for job, spec in zip(ids, specs, strict=True):
-                    handler.transfer_async(job, spec)
-                handler.wait(ids)
-                seconds = time.perf_counter() - started
-                assert all(r.success for r in handler.get_finished())
-                torch.cuda.synchronize()
-                together.append(s.elapsed_time(e))
-                rates.append(gbps(4 * setup.pass_bytes, seconds))
+            nbytes = 4 * setup.pass_bytes
+            steady = gbps(nbytes, median_seconds(HandlerRun([handler], [specs]), REPS))
+            rate, slow = beside_compute(compute, nbytes, submit_and_wait(handler, specs), REPS)
             handler.shutdown()
-            slow = np.median(together) / np.median(alone)
             print(
                 f"{label} {direction} {backend}: steady {steady:.1f} GB/s; beside matmuls "
-                f"{np.median(rates):.1f} GB/s, matmuls take {slow:.2f}x as long",
+                f"{rate:.1f} GB/s, matmuls take {slow:.2f}x as long",
                 flush=True,
             )
 
