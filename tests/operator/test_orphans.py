@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 from kvshm.operator.orphans import OrphanClock, Refusal, decide_reclaims
@@ -118,3 +119,17 @@ def test_retained_entries_are_forgotten_when_the_file_is_gone_or_claimed_again()
     claimed = file("team/back/vllm_offload_back.mmap", claimed_by="team/back")
     node = agent("a", files=(claimed,), retained=(claimed.path, "team/gone/vllm_offload_g.mmap"))
     assert sweep(node).forget_retained == (claimed.path, "team/gone/vllm_offload_g.mmap")
+
+
+def test_the_deleted_regions_own_claim_does_not_undo_its_retention() -> None:
+    """Release marks the file retained while its region is still deleting and its agent still
+    reports the claim; forgetting then would let the orphan sweep reclaim a Retain region."""
+    path = "team/kept/vllm_offload_kept.mmap"
+    stale = file(path, claimed_by="team/kept")
+    node = dataclasses.replace(
+        agent("a", files=(stale,)),
+        retained={path: {"path": path, "region": "team/kept"}},
+    )
+    assert sweep(node, claimed=(path,)).forget_retained == ()  # deleting: claimed, not live
+    recreated = decide_reclaims(node, (path,), OrphanClock(), NOW, GRACE, live_paths=(path,))
+    assert recreated.forget_retained == (path,)  # the region exists again: in use

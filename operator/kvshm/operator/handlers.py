@@ -103,7 +103,8 @@ async def agents(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeInventor
 async def region_paths(
     namespace: str | None, name: str, spec: kopf.Spec, **_: Any
 ) -> dict[str, str]:
-    """Region key -> its file's path: every path here is claimed, whatever an agent says."""
+    """Region key -> its file's path: every path here is claimed, whatever an agent says.
+    (Indexed twice: all regions, and live ones, those not being deleted.)"""
     instance_id = spec.get("instanceId") or name
     namespace = namespace or "default"
     try:
@@ -303,6 +304,7 @@ async def sweep_node(
     node_labels: kopf.Index[str, dict[str, str]],
     agents: kopf.Index[str, NodeInventory],
     region_paths: kopf.Index[str, str],
+    live_region_paths: kopf.Index[str, str],
     **_: Any,
 ) -> None:
     """Remove the OffloadNode of a gone node; else decide reclaims from its inventory."""
@@ -324,6 +326,7 @@ async def sweep_node(
         cluster.now,
         config.orphan_grace_seconds,
         config.orphan_dry_run,
+        live_paths=first_values(live_region_paths).values(),
     )
     memo.orphan_clock = decision.clock
     reclaims = reclaims_after(inventory, decision, cluster.now)

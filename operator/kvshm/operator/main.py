@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
+from typing import Any
 
 import kopf
 
@@ -29,6 +30,10 @@ NODE = ("v1", "nodes")
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
 
+def _not_deleting(meta: kopf.Meta, **_: Any) -> bool:
+    return not meta.get("deletionTimestamp")
+
+
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.OperatorRegistry:
     """Every handler of the operator, registered into registry."""
     on = kopf.on
@@ -40,6 +45,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
     kopf.index(*NODE, registry=registry)(handlers.node_labels)
     kopf.index(*OFFLOAD_NODE, registry=registry)(handlers.agents)
     kopf.index(*REGION, registry=registry)(handlers.region_paths)
+    kopf.index(*REGION, registry=registry, id="live_region_paths", when=_not_deleting)(
+        handlers.region_paths
+    )
 
     # OffloadRegion: validate, keep status level-based, hold the finalizer through deletion.
     validate = instrumented("validate")(handlers.validate)

@@ -75,6 +75,16 @@ def _unsafe(item: InventoryFile, claimed_paths: frozenset[str]) -> tuple[Refusal
     return None
 
 
+def _claimed_by_another(inventory: NodeInventory, path: str, retained_for: object) -> bool:
+    """Whether the agent reports the file claimed by a region other than the one it was
+    retained for. The deleted region's own claim stays in the inventory until its agent
+    catches up, and must not undo the retention it just asked for."""
+    return any(
+        item.path == path and item.claimed_by and item.claimed_by != retained_for
+        for item in inventory.files
+    )
+
+
 def decide_reclaims(
     inventory: NodeInventory,
     claimed_paths: Iterable[str],
@@ -82,9 +92,15 @@ def decide_reclaims(
     now: datetime,
     grace_seconds: float,
     dry_run: bool = False,
+    live_paths: Iterable[str] = (),
 ) -> OrphanDecision:
-    """One sweep over one node's inventory. Pure: the new clock is part of the decision."""
+    """One sweep over one node's inventory. Pure: the new clock is part of the decision.
+
+    claimed_paths are the files of every OffloadRegion, deleting ones included (none of them
+    is an orphan); live_paths those of regions not being deleted (a retained file one of them
+    claims is in use again)."""
     claimed = frozenset(claimed_paths)
+    live = frozenset(live_paths)
     pending = inventory.reclaim_requests.keys()
     answered = {result.path: result for result in inventory.reclaim_results}
     since: dict[str, datetime] = {}
@@ -144,10 +160,10 @@ def decide_reclaims(
         forget_retained=tuple(
             sorted(
                 path
-                for path in inventory.retained
+                for path, entry in inventory.retained.items()
                 if path not in present
-                or path in claimed
-                or any(item.path == path and item.claimed_by for item in inventory.files)
+                or path in live
+                or _claimed_by_another(inventory, path, entry.get("region"))
             )
         ),
     )
