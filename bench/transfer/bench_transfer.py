@@ -21,6 +21,7 @@ Run on a GPU machine from the repository root:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -438,6 +439,7 @@ def sweep(setup: Setup, reps: int) -> list[dict[str, Any]]:
         for variant, kwargs in [
             ("dma", {"backend": "dma"}),
             ("kernel", {"backend": "kernel"}),
+            ("staged", {"backend": "staged"}),
             ("auto, stream per job", {"options": per_job}),
         ]:
             rate, caller, issue = handler_gbps(setup, direction, reps, **kwargs)
@@ -450,21 +452,21 @@ def sweep(setup: Setup, reps: int) -> list[dict[str, Any]]:
         {"block": setup.block, "dir": "both", "variant": "auto, stream per job", "GB/s": rate}
         | {"caller_us": 0.0, "backend_us": 0.0}
     )
-    for store_backend in ("dma", "kernel"):
-        for load_backend in ("dma", "kernel"):
-            half = len(setup.stores) // 2 or 1
-            store = handler_for(setup, "D2H", backend=store_backend)
-            load = handler_for(setup, "H2D", backend=load_backend)
-            run = HandlerRun([store, load], [setup.stores[:half], setup.loads[-half:]])
-            seconds = median_seconds(run, reps)
-            store.shutdown()
-            load.shutdown()
-            rate = gbps(2 * half * setup.pass_bytes // len(setup.stores), seconds)
-            variant = f"D2H {store_backend} + H2D {load_backend}"
-            rows.append(
-                {"block": setup.block, "dir": "both", "variant": variant, "GB/s": rate}
-                | {"caller_us": 0.0, "backend_us": 0.0}
-            )
+    backends = ("dma", "kernel", "staged")
+    for store_backend, load_backend in itertools.product(backends, backends):
+        half = len(setup.stores) // 2 or 1
+        store = handler_for(setup, "D2H", backend=store_backend)
+        load = handler_for(setup, "H2D", backend=load_backend)
+        run = HandlerRun([store, load], [setup.stores[:half], setup.loads[-half:]])
+        seconds = median_seconds(run, reps)
+        store.shutdown()
+        load.shutdown()
+        rate = gbps(2 * half * setup.pass_bytes // len(setup.stores), seconds)
+        variant = f"D2H {store_backend} + H2D {load_backend}"
+        rows.append(
+            {"block": setup.block, "dir": "both", "variant": variant, "GB/s": rate}
+            | {"caller_us": 0.0, "backend_us": 0.0}
+        )
     return rows
 
 
