@@ -135,6 +135,7 @@ def make_setup(
     rng: np.random.Generator,
     tensors: int = TENSORS,
     pass_bytes: int = PASS_BYTES,
+    evenly_spaced: bool = False,
 ) -> Setup:
     """Rank 0's rows of the region moved as 64 MiB jobs with random ids on both sides, as
     many sweeps over them (with fresh ids) as make pass_bytes."""
@@ -148,10 +149,14 @@ def make_setup(
     )
     if not region.pin():
         sys.exit("could not register the region with CUDA: the figures would be meaningless")
-    gpu = [
-        torch.randint(-128, 128, (rows, block), dtype=torch.int8, device="cuda")
-        for _ in range(tensors)
-    ]
+    if evenly_spaced:  # one allocation, so tensor t+1 starts a fixed distance after tensor t
+        whole = torch.randint(-128, 128, (tensors, rows, block), dtype=torch.int8, device="cuda")
+        gpu = list(whole.unbind(0))
+    else:
+        gpu = [
+            torch.randint(-128, 128, (rows, block), dtype=torch.int8, device="cuda")
+            for _ in range(tensors)
+        ]
     refs = [[CanonicalKVCacheRef(t, block) for t in range(tensors)]]
     pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, pin=False)
     per_job = max(1, JOB_BYTES // (tensors * block))

@@ -22,7 +22,16 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from bench_transfer import BURST_BYTES, KIB, Setup, gbps, make_setup, median_seconds, wall
+from bench_transfer import (
+    BURST_BYTES,
+    KIB,
+    PASS_BYTES,
+    Setup,
+    gbps,
+    make_setup,
+    median_seconds,
+    wall,
+)
 from explore import attrs_for, batches, fixed, issue_dma, part
 from explore_limits import pinned
 
@@ -239,10 +248,157 @@ def issue_under_load(block: int, setup: Setup) -> None:
             )
 
 
+# CUDA_MEMCPY3D_BATCH_OP: two CUmemcpy3DOperand (type; ptr, rowLength, layerHeight, locHint),
+# the extent, the source access order and flags; 112 bytes
+OP = np.dtype(
+    {
+        "names": [
+            *(side + field for side in "sd" for field in ("t", "p", "row", "h", "lt", "li")),
+            *("w", "h", "d", "order", "flags"),
+        ],
+        "formats": ["i4", "u8", "u8", "u8", "i4", "i4"] * 2 + ["u8", "u8", "u8", "i4", "u4"],
+        "offsets": [0, 8, 16, 24, 32, 36, 40, 48, 56, 64, 72, 76, 80, 88, 96, 104, 108],
+        "itemsize": 112,
+    }
+)
+
+
+def batch3d() -> Callable[[int, int, int], int]:
+    """cuMemcpy3DBatchAsync(ops, count, stream) through the driver's versioned entry point."""
+    import ctypes
+
+    from kvshm.transfer.backends.cuda_driver import cuda_driver
+
+    driver = cuda_driver()
+    lib = driver._lib
+    takes_fail_idx = driver.version < 13000
+    get = lib.cuGetProcAddress_v2
+    get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    get.argtypes += [ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
+    function, status = ctypes.c_void_p(), ctypes.c_int()
+    version = 12080 if takes_fail_idx else 13000
+    code = get(b"cuMemcpy3DBatchAsync", ctypes.byref(function), version, 0, ctypes.byref(status))
+    assert code == 0 and function.value, f"no cuMemcpy3DBatchAsync ({code})"
+    args = [ctypes.c_size_t, ctypes.c_void_p] + ([ctypes.c_void_p] if takes_fail_idx else [])
+    call = ctypes.CFUNCTYPE(ctypes.c_int, *args, ctypes.c_ulonglong, ctypes.c_void_p)(
+        function.value
+    )
+    fail = ctypes.c_size_t(0)
+
+    def issue(ops: int, count: int, stream: int) -> int:
+        if takes_fail_idx:
+            return int(call(count, ops, ctypes.byref(fail), 0, stream))
+        return int(call(count, ops, 0, stream))
+
+    return issue
+
+
+def strided_ops(batch: CopyBatch, tensors: int, gpu_to_cpu: bool) -> np.ndarray | None:
+    """One 2-D op per block: its `tensors` pages, contiguous in the region cell and a constant
+    distance apart on the GPU; None if the GPU tensors are not evenly spaced."""
+    rows = batch.rows.reshape(3, -1, tensors)
+    gpu, host = (rows[0], rows[1]) if gpu_to_cpu else (rows[1], rows[0])
+    page = int(rows[2, 0, 0])
+    gpu_pitch = int(gpu[0, 1] - gpu[0, 0]) if tensors > 1 else page
+    if gpu_pitch < page or not (np.diff(gpu, axis=1) == gpu_pitch).all():
+        return None
+    assert (np.diff(host, axis=1) == page).all()
+    ops = np.zeros(gpu.shape[0], dtype=OP)
+    src, dst = ("s", "d")
+    gpu_side, host_side = (src, dst) if gpu_to_cpu else (dst, src)
+    ops[gpu_side + "t"] = ops[host_side + "t"] = 1  # CU_MEMCPY_OPERAND_TYPE_POINTER
+    ops[gpu_side + "p"], ops[host_side + "p"] = gpu[:, 0], host[:, 0]
+    ops[gpu_side + "row"], ops[host_side + "row"] = gpu_pitch, page
+    ops[gpu_side + "h"] = ops[host_side + "h"] = tensors
+    ops[gpu_side + "lt"], ops[gpu_side + "li"] = 1, torch.cuda.current_device()  # device
+    ops[host_side + "lt"] = 2  # host
+    ops["w"], ops["h"], ops["d"] = page, tensors, 1
+    ops["order"] = 1 if gpu_to_cpu else 3  # stream order for the live KV cache, else any
+    ops["flags"] = 1
+    return ops
+
+
+def issue_ops(call: Callable[[int, int, int], int], ops: np.ndarray, stream: int) -> None:
+    base = ops.ctypes.data
+    for start in range(0, len(ops), 128):
+        code = call(base + start * OP.itemsize, min(128, len(ops) - start), stream)
+        assert code == 0, f"cuMemcpy3DBatchAsync failed with CUDA error {code}"
+
+
+def strided(block: int, setup: Setup) -> None:
+    """A block's pages as one 2-D copy (cuMemcpy3DBatchAsync): as many descriptors as blocks,
+    not pages, with no staging buffer or kernel. Checked byte for byte, then timed from a full
+    queue and live, against 1-D descriptors per page."""
+    label = f"{block // KIB}K x{len(setup.pair.gpu_tensors)}"
+    tensors = len(setup.pair.gpu_tensors)
+    call = batch3d()
+    stream = torch.cuda.Stream()
+    ops = {}
+    for d in ("H2D", "D2H"):
+        jobs = batches(setup, d)
+        made = [strided_ops(b, tensors, d == "D2H") for b in jobs]
+        if any(m is None for m in made):
+            print(f"{label}: GPU tensors not evenly spaced, no 2-D copies", flush=True)
+            return
+        ops[d] = (jobs, made)
+    # bytes: a store of job 0, then a load of it back into other GPU rows
+    jobs, made = ops["D2H"]
+    issue_ops(call, made[0], stream.cuda_stream)
+    torch.cuda.synchronize()
+    cells = setup.pair.cpu_tensors
+    gpu_ids = setup.stores[0][0].block_ids
+    cpu_ids = setup.stores[0][1].block_ids
+    for t in range(tensors):
+        got = cells[t][torch.as_tensor(cpu_ids)].cuda()
+        want = setup.pair.gpu_tensors[t][torch.as_tensor(gpu_ids).cuda()]
+        assert torch.equal(got, want), f"2-D store: tensor {t} differs"
+    print(f"{label} 2-D store of one job: every byte as expected", flush=True)
+    for d in ("H2D", "D2H"):
+        jobs, made = ops[d]
+        nbytes = sum(b.total_bytes for b in jobs)
+        attrs = attrs_for(d)
+        every = len(jobs)
+
+        def plain(stream: int, n: int, jobs: list[CopyBatch] = jobs, attrs: object = attrs) -> None:
+            for b in jobs[:n]:
+                issue_dma(b, attrs, stream, fixed(128))
+
+        def two_d(stream: int, n: int, made: list[np.ndarray] = made) -> None:
+            for o in made[:n]:
+                issue_ops(call, o, stream)
+
+        for name, issue in (("1-D per page", plain), ("2-D per block", two_d)):
+            for _ in range(2):
+                engines, issued = prequeued([(stream, lambda s, i=issue: i(s, JOBS))])
+            blocks = sum(len(o) for o in made[:JOBS])
+            queued = gbps(nbytes * JOBS // len(jobs), engines)
+            live = gbps(
+                nbytes,
+                median_seconds(lambda i=issue, n=every: wall(lambda: i(stream.cuda_stream, n)), 5),
+            )
+            print(
+                f"{label} {d} {name}: full queue {queued:.1f} GB/s "
+                f"(issue {issued / blocks * 1e6:.2f} us/block); live {live:.1f} GB/s",
+                flush=True,
+            )
+    half = len(ops["D2H"][1]) // 2
+    both = list(zip(ops["D2H"][1][:half], ops["H2D"][1][-half:], strict=True))
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def both_ways() -> None:
+        for store, load in both:
+            issue_ops(call, store, streams[0].cuda_stream)
+            issue_ops(call, load, streams[1].cuda_stream)
+
+    nbytes = 2 * half * ops["D2H"][0][0].total_bytes
+    rate = gbps(nbytes, median_seconds(lambda: wall(both_ways), 5))
+    print(f"{label} both ways 2-D per block, live: {rate:.1f} GB/s", flush=True)
+
+
 SLEEP = 0.0
 
 
-PARTS = {"engines": run, "hybrid": hybrid, "load": issue_under_load}
+PARTS = {"engines": run, "hybrid": hybrid, "load": issue_under_load, "strided": strided}
 
 
 def main() -> None:
@@ -254,13 +410,26 @@ def main() -> None:
     SLEEP = sleep_seconds()
     rng = np.random.default_rng(1)
     for block in blocks:
-        setup = make_setup(block, "/dev/shm", rng, pass_bytes=BURST_BYTES)
+        full = "strided" in parts  # 1 GiB per live timing
+        setup = make_setup(
+            block,
+            "/dev/shm",
+            rng,
+            pass_bytes=PASS_BYTES if full else BURST_BYTES,
+            evenly_spaced=full,
+        )
         try:
             for name in parts:
                 if name in PARTS:
                     PARTS[name](block, setup)
         finally:
             setup.close()
+        if "strided" in parts and block == 16 * KIB:
+            setup = make_setup(block, "/dev/shm", rng, tensors=32, evenly_spaced=True)
+            try:
+                strided(block, setup)
+            finally:
+                setup.close()
         if "live" in parts:
             setup = make_setup(block, "/dev/shm", rng)  # 1 GiB per timing
             try:
