@@ -19,6 +19,7 @@ from kvshm.transfer import (
     GPULoadStoreSpec,
     TransferOptions,
 )
+from kvshm.transfer.backends.kernel import KernelBackend
 
 from .helpers import open_region, placements, region_bytes
 
@@ -216,6 +217,48 @@ def test_unpinned_region_copies_by_dma_and_refuses_the_kernel(
     run(pair.gpu_to_cpu_handler, 1, (GPULoadStoreSpec(ids, [8], [0]), CPULoadStoreSpec(ids)))
     rows = region_bytes(other)
     assert np.array_equal(rows[:, 64 * KIB : 128 * KIB], gpu[0].cpu().numpy().view(np.uint8))
+    pair.shutdown()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-launch", "triton-jit"])
+@pytest.mark.parametrize("regions", [(32, 2 * 16 * KIB)], indirect=True)
+def test_copy_kernel_launches_directly_or_through_triton_byte_exact(
+    direct: bool, regions: list[SharedOffloadRegion], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel backend launches its compiled kernel directly where its self-test passes
+    (this Triton); where that launch fails, it falls back to Triton's and still copies."""
+    if not direct:
+
+        def changed_interface(*args: object, **kwargs: object) -> None:
+            raise TypeError("a launcher that takes other arguments")
+
+        monkeypatch.setattr(KernelBackend, "_launch_compiled", changed_interface)
+    assert (KernelBackend(torch.device("cuda", 0))._compiled is not None) == direct
+    region = regions[0]
+    gpu = random_block_data(40, 16 * KIB, 2)
+    refs = [[CanonicalKVCacheRef(0, 16 * KIB), CanonicalKVCacheRef(1, 16 * KIB)]]
+    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, backend="kernel")
+    rng = np.random.default_rng(7)
+    gpu_ids, cpu_ids = rng.permutation(40)[:32], rng.permutation(32)
+    run(
+        pair.gpu_to_cpu_handler,
+        1,
+        (GPULoadStoreSpec(gpu_ids, [32], [0]), CPULoadStoreSpec(cpu_ids)),
+    )
+    cell = region_bytes(region)[cpu_ids, : 2 * 16 * KIB]
+    for t in range(2):
+        sent = gpu[t][torch.from_numpy(gpu_ids).cuda()].cpu().numpy().view(np.uint8)
+        assert np.array_equal(cell[:, t * 16 * KIB : (t + 1) * 16 * KIB], sent)
+    originals = [t[torch.from_numpy(gpu_ids).cuda()].clone() for t in gpu]
+    for tensor in gpu:
+        tensor.zero_()
+    run(
+        pair.cpu_to_gpu_handler,
+        2,
+        (CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(gpu_ids, [32], [0])),
+    )
+    for tensor, original in zip(gpu, originals, strict=True):
+        assert torch.equal(tensor[torch.from_numpy(gpu_ids).cuda()], original)
     pair.shutdown()
 
 

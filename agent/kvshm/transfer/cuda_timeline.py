@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kvshm.transfer.backends.base import Stream
 from kvshm.transfer.timeline import Ticket, Timeline, Work
 
 
@@ -39,12 +40,16 @@ class CudaTicket(Ticket):
 class CudaTimeline(Timeline):
     def __init__(self, device: torch.device, stream_per_job: bool = False) -> None:
         self._device = device
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._stream_per_job = stream_per_job
         self._streams: list[torch.cuda.Stream] = []
         if not stream_per_job:
             self._streams.append(torch.cuda.Stream(device))
         self._events: list[torch.cuda.Event] = []
         self._last_end: torch.cuda.Event | None = None
+        # marks the caller's compute for the next job to wait on; one event serves every job,
+        # since a wait takes the event's state when it is issued
+        self._compute_done = torch.cuda.Event()
 
     def _event(self) -> torch.cuda.Event:
         return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
@@ -54,24 +59,31 @@ class CudaTimeline(Timeline):
             return self._streams[0]
         return self._streams.pop() if self._streams else torch.cuda.Stream(self._device)
 
-    def launch(self, work: Work, after_compute: bool) -> Ticket:
-        with torch.cuda.device(self._device):
-            stream = self._stream()
-            if after_compute:
-                stream.wait_stream(torch.cuda.current_stream(self._device))
-            if self._stream_per_job and self._last_end is not None:
-                stream.wait_event(self._last_end)
-            ticket = CudaTicket(stream, self._event(), self._event())
-            ticket.start.record(stream)
-            try:
-                with torch.cuda.stream(stream):
-                    ticket.keep = work(stream)
-            except Exception as exc:
-                # copies issued before the error still run: the end event follows them, so
-                # the next job cannot overtake them; the job is reported as failed
-                ticket.error = exc
-            ticket.end.record(stream)
-            self._last_end = ticket.end
+    def launch(self, work: Work, after: Stream | None) -> Ticket:
+        # the backends issue on the streams they are given, but driver calls go to the
+        # current device's context
+        if torch.cuda.current_device() == self._index:
+            return self._launch(work, after)
+        with torch.cuda.device(self._index):
+            return self._launch(work, after)
+
+    def _launch(self, work: Work, after: Stream | None) -> Ticket:
+        stream = self._stream()
+        if after is not None:
+            self._compute_done.record(after)
+            stream.wait_event(self._compute_done)
+        if self._stream_per_job and self._last_end is not None:
+            stream.wait_event(self._last_end)
+        ticket = CudaTicket(stream, self._event(), self._event())
+        ticket.start.record(stream)
+        try:
+            ticket.keep = work(stream)
+        except Exception as exc:
+            # copies issued before the error still run: the end event follows them, so the
+            # next job cannot overtake them; the job is reported as failed
+            ticket.error = exc
+        ticket.end.record(stream)
+        self._last_end = ticket.end
         return ticket
 
     def release(self, ticket: Ticket) -> None:

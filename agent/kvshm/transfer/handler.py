@@ -142,7 +142,7 @@ class SingleDirectionOffloadingHandler:
         if self.gpu_to_cpu and self.device.type == "cuda":
             after = torch.cuda.current_stream(self.device)  # the compute the store must follow
         work = partial(backend.copy, batch, after=after)
-        ticket = self._timeline.launch(work, self.gpu_to_cpu)
+        ticket = self._timeline.launch(work, after)
         job = _Job(job_id, ticket, batch.total_bytes, backend.name)
         self._jobs.append(job)
         self._pending[job_id] = job

@@ -40,6 +40,8 @@ class GroupGeometry:
     cpu_stride: npt.NDArray[np.int64]
     cpu_sub_block: npt.NDArray[np.int64]
     page: npt.NDArray[np.int64]
+    block_bytes: int
+    """Bytes one block of the group moves: the sum of its refs' pages."""
 
     @classmethod
     def of(
@@ -64,6 +66,7 @@ class GroupGeometry:
             cpu_stride=row([x.row_stride for x in c]),
             cpu_sub_block=row([x.row_width // factor for x in c]),
             page=row([r.page_size_bytes for r in ordered]),
+            block_bytes=sum(r.page_size_bytes for r in ordered),
         )
 
 
@@ -134,7 +137,7 @@ class JobPlanner:
                 part.skip,
             )
             rows[2] = geometry.page
-            total += n * int(geometry.page.sum())
+            total += n * geometry.block_bytes
             at += refs * n
         return batch.with_total(total)
 

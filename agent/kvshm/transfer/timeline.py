@@ -39,9 +39,9 @@ class Ticket(ABC):
 
 class Timeline(ABC):
     @abstractmethod
-    def launch(self, work: Work, after_compute: bool) -> Ticket:
-        """Run work after every job launched before it; after_compute also makes it wait for
-        the work already queued on the caller's compute stream."""
+    def launch(self, work: Work, after: Stream | None) -> Ticket:
+        """Run work after every job launched before it and, given the caller's compute
+        stream as `after`, after the work already queued on it."""
 
     @abstractmethod
     def release(self, ticket: Ticket) -> None:
@@ -76,7 +76,7 @@ class CpuTimeline(Timeline):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def launch(self, work: Work, after_compute: bool) -> Ticket:
+    def launch(self, work: Work, after: Stream | None) -> Ticket:
         ticket = CpuTicket(work)
         self._queue.put(ticket)
         return ticket

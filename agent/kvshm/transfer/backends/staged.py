@@ -119,18 +119,17 @@ class StagedBackend(CopyBackend):
             buffer = self._ring[b]
             first, count = int(copies[piece]), int(copies[piece + 1] - copies[piece])
             piece_runs = runs.columns(int(run_starts[piece]), int(run_starts[piece + 1]))
-            with torch.cuda.stream(fill):
-                fill.wait_event(buffer.free)
-                if self._gpu_to_cpu:
-                    self._kernel.launch(kernel_table, first, count, largest)
-                else:
-                    self._dma.copy(piece_runs, fill)
-                buffer.filled.record(fill)
+            fill.wait_event(buffer.free)
+            if self._gpu_to_cpu:
+                self._kernel.launch(kernel_table, first, count, largest, fill.cuda_stream)
+            else:
+                self._dma.copy(piece_runs, fill)
+            buffer.filled.record(fill)
             drain.wait_event(buffer.filled)
             if self._gpu_to_cpu:
                 self._dma.copy(piece_runs, drain)
             else:
-                self._kernel.launch(kernel_table, first, count, largest)
+                self._kernel.launch(kernel_table, first, count, largest, drain.cuda_stream)
             buffer.free.record(drain)
         return (kernel_table, runs)
 
