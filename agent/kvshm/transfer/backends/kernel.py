@@ -46,15 +46,18 @@ def triton_missing_reason() -> str | None:
     return None
 
 
-def _launch_constants(chunk_bytes: int) -> tuple[int, ...]:
-    """The constexpr arguments a compiled Triton kernel's launch takes after the others:
-    Triton 3.3 and later pass every bound argument, earlier ones only the non-constexprs."""
+def _launch_constants(chunk_bytes: int) -> tuple[int, ...] | None:
+    """The constexpr arguments a compiled Triton kernel's launch takes after the others, or
+    None for a Triton whose launch convention kvshm does not know: 3.3 to 3.x pass every bound
+    argument (measured on 3.6), earlier ones only the non-constexprs."""
     import triton
 
     try:
         version = tuple(int(part) for part in triton.__version__.split(".")[:2])
     except ValueError:
-        version = (0, 0)
+        return None
+    if version >= (4, 0):
+        return None
     return (chunk_bytes,) if version >= (3, 3) else ()
 
 
@@ -100,6 +103,10 @@ class KernelBackend(CopyBackend):
         ).pin_memory()
         stream = torch.cuda.current_stream(device).cuda_stream
         compiled = self._jit_launch(*self._arguments(table, 0, 1, 16), stream)  # compiles
+        if self._constants is None:
+            log.info("copy kernel: launching through Triton's JIT (unknown launch convention)")
+            torch.cuda.synchronize(device)
+            return None
         works = False
         try:
             self._launch_compiled(compiled, *self._arguments(table, 1, 1, 16), stream)
@@ -154,4 +161,4 @@ class KernelBackend(CopyBackend):
     def _launch_compiled(
         self, compiled: Any, args: tuple[int, ...], grid: int, stream: int
     ) -> None:
-        compiled[(grid, 1, 1)](*args, *self._constants, stream=stream)
+        compiled[(grid, 1, 1)](*args, *(self._constants or ()), stream=stream)
