@@ -676,7 +676,9 @@ def main() -> None:
         "--sizes", default=",".join(str(b // KIB) for b in BLOCK_SIZES), help="block sizes in KiB"
     )
     parser.add_argument(
-        "--sweep", action="store_true", help="also sweep DMA chunking and kernel chunk sizes"
+        "--sweep",
+        action="store_true",
+        help="also time each backend forced, one way and in every pairing both ways",
     )
     parser.add_argument(
         "--layers",
