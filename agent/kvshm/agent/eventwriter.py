@@ -188,10 +188,11 @@ class IsolatedEventQueues:
         """Start a child (after stopping a dead one) that takes over every open region's ring,
         so their workers keep a live writer."""
         if self._process is not None:
-            log.warning(
-                "the event writer exited (code %s); starting another", self._process.exitcode
-            )
+            dead = self._process
+            # reap it first: its sentinel fires as its files close, a moment before the kernel
+            # has an exit code to give
             self._stop_dead_child()
+            log.warning("the event writer exited (code %s); starting another", dead.exitcode)
         ours, theirs = self._context.Pipe()
         process = self._context.Process(
             target=serve, args=(theirs,), name="kvshm-event-writer", daemon=True
