@@ -213,29 +213,42 @@ def launch_persistent(
     )
 
 
+def interleaved_gbps(
+    setup: Setup,
+    jobs_per_direction: int,
+    directions: tuple[str, ...],
+    streams: dict[str, torch.cuda.Stream],
+    issue: Callable[[str, int], None],
+) -> float:
+    """GB/s of issue(direction, job) over every job of one direction, or over the first half
+    of the stores and the last half of the loads interleaved, each on its direction's stream."""
+    n = jobs_per_direction
+    half = n // 2 or 1
+    jobs = {d: range(n) for d in directions}
+    if len(directions) == 2:
+        jobs = {"D2H": range(half), "H2D": range(n - half, n)}
+    nbytes = sum(len(j) for j in jobs.values()) * setup.pass_bytes // n
+
+    def go() -> None:
+        for k in range(max(len(j) for j in jobs.values())):
+            for d in directions:
+                if k < len(jobs[d]):
+                    with torch.cuda.stream(streams[d]):
+                        issue(d, jobs[d][k])
+
+    return gbps(nbytes, median_seconds(lambda: wall(go), REPS))
+
+
 def persistent(setup: Setup) -> None:
     block = setup.block
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     tables = {d: [(device_table(b), b.count) for b in batches(setup, d)] for d in ("H2D", "D2H")}
-    half = len(tables["D2H"]) // 2 or 1
     streams = {"H2D": torch.cuda.Stream(), "D2H": torch.cuda.Stream()}
     old = KernelBackend(torch.device("cuda", 0))
     old_batches = {d: batches(setup, d) for d in ("H2D", "D2H")}
 
     def run(directions: tuple[str, ...], issue: Callable[[str, int], None]) -> float:
-        jobs = {d: range(len(tables[d])) for d in directions}
-        if len(directions) == 2:
-            jobs = {"D2H": range(half), "H2D": range(len(tables["H2D"]) - half, len(tables["H2D"]))}
-        nbytes = sum(len(j) for j in jobs.values()) * setup.pass_bytes // len(tables["D2H"])
-
-        def go() -> None:
-            for k in range(max(len(j) for j in jobs.values())):
-                for d in directions:
-                    if k < len(jobs[d]):
-                        with torch.cuda.stream(streams[d]):
-                            issue(d, jobs[d][k])
-
-        return gbps(nbytes, median_seconds(lambda: wall(go), REPS))
+        return interleaved_gbps(setup, len(tables["D2H"]), directions, streams, issue)
 
     def old_issue(d: str, k: int) -> None:
         old.copy(old_batches[d][k], streams[d])
@@ -353,25 +366,14 @@ def variants(setup: Setup) -> None:
     block = setup.block
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     tables = {d: [(device_table(b), b.count) for b in batches(setup, d)] for d in ("H2D", "D2H")}
-    half = len(tables["D2H"]) // 2 or 1
     streams = {"H2D": torch.cuda.Stream(), "D2H": torch.cuda.Stream()}
 
     def run(directions: tuple[str, ...], args: dict[str, dict[str, object]]) -> float:
-        jobs = {d: list(range(len(tables[d]))) for d in directions}
-        if len(directions) == 2:
-            n = len(tables["H2D"])
-            jobs = {"D2H": list(range(half)), "H2D": list(range(n - half, n))}
-        nbytes = sum(len(j) for j in jobs.values()) * setup.pass_bytes // len(tables["D2H"])
+        def issue(d: str, k: int) -> None:
+            table, count = tables[d][k]
+            launch_persistent(table, count, block, **args[d])  # type: ignore[arg-type]
 
-        def go() -> None:
-            for k in range(max(len(j) for j in jobs.values())):
-                for d in directions:
-                    if k < len(jobs[d]):
-                        table, count = tables[d][jobs[d][k]]
-                        with torch.cuda.stream(streams[d]):
-                            launch_persistent(table, count, block, **args[d])  # type: ignore[arg-type]
-
-        return gbps(nbytes, median_seconds(lambda: wall(go), REPS))
+        return interleaved_gbps(setup, len(tables["D2H"]), directions, streams, issue)
 
     base: dict[str, object] = {"grid": 2 * sm, "chunk": min(block, 16 * KIB), "warps": 4}
     hint_sets: list[dict[str, str]] = [
