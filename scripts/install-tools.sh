@@ -6,6 +6,10 @@
 #   promtool        or started; the tests run their own server on 127.0.0.1)
 #   @kubernetes-models/prometheus-operator (npm, into .tools/node): validators generated from the
 #                   Prometheus Operator's CRD schemas, for the chart's ServiceMonitors and rules
+#   kube-apiserver, into .tools/envtest (envtest's KUBEBUILDER_ASSETS layout) for the tests that
+#   etcd            run against a real API server: kube-apiserver v1.28.7 unpacked from
+#                   $KVSHM_ENVTEST_SOURCE/kube-apiserver.gz (default ../shared/envtest, a folder
+#                   beside the clone; sha256 checked), etcd 3.4 from Debian's `etcd-server` package
 # Idempotent and quick when the pinned versions are already there.
 # Usage: scripts/install-tools.sh [PYTHON]   (PYTHON: an interpreter with pip; default .venv's)
 set -euo pipefail
@@ -19,6 +23,11 @@ PROMETHEUS_DEB="prometheus" # bookworm: 2.42.0+ds
 PROMETHEUS_VERSION="2.42.0"
 MONITORING_MODELS="@kubernetes-models/prometheus-operator"
 MONITORING_MODELS_VERSION="6.0.0"
+ENVTEST_SOURCE="${KVSHM_ENVTEST_SOURCE:-$PWD/../shared/envtest}"
+KUBE_APISERVER_VERSION="v1.28.7"
+KUBE_APISERVER_SHA256="9265dd14a970faabc89b02dfb33ae96de25802a385ca706c856aa73b863bcf34"
+ETCD_DEB="etcd-server" # bookworm: 3.4.23
+ETCD_VERSION="3.4"
 
 PY="${1:-${VENV:-$PWD/.venv}/bin/python}"
 TOOLS="$PWD/.tools"
@@ -88,7 +97,34 @@ install_monitoring_models() {
         "$MONITORING_MODELS@$MONITORING_MODELS_VERSION"
 }
 
+install_envtest() {
+    local assets="$TOOLS/envtest"
+    mkdir -p "$assets"
+    if ! echo "$KUBE_APISERVER_SHA256  $assets/kube-apiserver" | sha256sum --check --status 2>/dev/null; then
+        local archive="$ENVTEST_SOURCE/kube-apiserver.gz"
+        if [[ ! -f $archive ]]; then
+            echo "install-tools: $archive is missing: put kube-apiserver $KUBE_APISERVER_VERSION" \
+                "(gzip) there, or set KVSHM_ENVTEST_SOURCE to its folder (README: Testing)" >&2
+            return 1
+        fi
+        echo "== installing kube-apiserver $KUBE_APISERVER_VERSION into $assets"
+        gunzip -c "$archive" >"$work/kube-apiserver"
+        echo "$KUBE_APISERVER_SHA256  $work/kube-apiserver" | sha256sum --check --quiet
+        install -m 0755 "$work/kube-apiserver" "$assets/kube-apiserver"
+    fi
+    [[ -x $assets/etcd ]] && "$assets/etcd" --version 2>&1 | grep -q "etcd Version: $ETCD_VERSION\." && return
+    echo "== installing etcd $ETCD_VERSION (Debian package $ETCD_DEB) into $assets"
+    if ! apt-cache show "$ETCD_DEB" >/dev/null 2>&1; then
+        apt-get update -qq
+    fi
+    (cd "$work" && apt-get download -qq "$ETCD_DEB" 2>/dev/null)
+    dpkg-deb -x "$work"/"$ETCD_DEB"_*.deb "$work/etcd"
+    install -m 0755 "$work/etcd/usr/bin/etcd" "$assets/etcd"
+    "$assets/etcd" --version | grep -q "etcd Version: $ETCD_VERSION\."
+}
+
 install_helm
 install_hadolint
 install_prometheus
 install_monitoring_models
+install_envtest

@@ -20,7 +20,7 @@ def cluster(
     kube_api: KubeApi, kubeconfig: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Cluster]:
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    result = Cluster(kube_api, kubeconfig)
+    result = Cluster(kube_api.api_client(), kubeconfig)
     result.core.create_namespace({"metadata": {"name": NAMESPACE}})
     for node in NODES:
         result.add_node(node, {"kvshm.dev/pool": "gpu"})

@@ -21,7 +21,6 @@ from kopf.testing import KopfRunner
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
 from kvshm.operator.config import ENV_PREFIX, OperatorConfig
 from kvshm.operator.main import register
-from tests.kube.runner import KubeApi
 from tests.waiting import wait_for
 
 NAMESPACE = "team"
@@ -53,12 +52,15 @@ def config_environment(config: OperatorConfig) -> dict[str, str]:
 
 
 class Cluster:
-    """Synchronous conveniences over the emulator, for test bodies."""
+    """Synchronous conveniences over an API server (the emulator or a real one), for test
+    bodies: regions are created in `namespace`; `client` is closed by close()."""
 
-    def __init__(self, api: KubeApi, kubeconfig: Path) -> None:
-        self.api = api
+    def __init__(
+        self, client: kubernetes.client.ApiClient, kubeconfig: Path, namespace: str = NAMESPACE
+    ) -> None:
         self.kubeconfig = kubeconfig
-        self.client = api.api_client()
+        self.namespace = namespace
+        self.client = client
         self.core = kubernetes.client.CoreV1Api(self.client)
         self.custom = kubernetes.client.CustomObjectsApi(self.client)
 
@@ -75,18 +77,18 @@ class Cluster:
         body = {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "OffloadRegion",
-            "metadata": {"name": name, "namespace": NAMESPACE},
+            "metadata": {"name": name, "namespace": self.namespace},
             "spec": {"layout": {"numBlocks": 16, "cpuPageSize": 65536}, **spec},
         }
         result: dict[str, Any] = self.custom.create_namespaced_custom_object(  # type: ignore[assignment]
-            GROUP, VERSION, NAMESPACE, REGION_PLURAL, body
+            GROUP, VERSION, self.namespace, REGION_PLURAL, body
         )
         return result
 
     def region(self, name: str) -> dict[str, Any] | None:
         try:
             result: dict[str, Any] = self.custom.get_namespaced_custom_object(  # type: ignore[assignment]
-                GROUP, VERSION, NAMESPACE, REGION_PLURAL, name
+                GROUP, VERSION, self.namespace, REGION_PLURAL, name
             )
         except kubernetes.client.ApiException as exc:
             if exc.status == 404:
@@ -98,7 +100,9 @@ class Cluster:
         return (self.region(name) or {}).get("status") or {}
 
     def delete_region(self, name: str) -> None:
-        self.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, REGION_PLURAL, name)
+        self.custom.delete_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, REGION_PLURAL, name
+        )
 
     def offload_node(self, name: str) -> dict[str, Any] | None:
         try:
@@ -114,7 +118,7 @@ class Cluster:
     def events(self, name: str) -> list[dict[str, Any]]:
         """Events about an object of this name, newest last, as (reason, message) dicts."""
         found = []
-        for namespace in (NAMESPACE, "default"):
+        for namespace in (self.namespace, "default"):
             for event in self.core.list_namespaced_event(namespace).items:
                 if event.involved_object.name == name:
                     found.append({"reason": event.reason, "message": event.message})
