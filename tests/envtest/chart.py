@@ -83,6 +83,15 @@ def render_chart(
     return load_documents(output)
 
 
+def ensure_namespace(api_client: kubernetes.client.ApiClient, namespace: str) -> None:
+    """Create the namespace unless it exists."""
+    try:
+        kubernetes.client.CoreV1Api(api_client).create_namespace({"metadata": {"name": namespace}})
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
 def install_rbac(
     api_client: kubernetes.client.ApiClient, namespace: str, release: str = RELEASE
 ) -> list[dict[str, Any]]:
@@ -90,12 +99,7 @@ def install_rbac(
 
     The namespace is created when missing. Returns the objects applied.
     """
-    core = kubernetes.client.CoreV1Api(api_client)
-    try:
-        core.create_namespace({"metadata": {"name": namespace}})
-    except kubernetes.client.ApiException as exc:
-        if exc.status != 409:
-            raise
+    ensure_namespace(api_client, namespace)
     objects = [o for o in render_chart(namespace, release=release) if o["kind"] in RBAC_KINDS]
     for manifest in objects:
         apply(api_client, manifest)
