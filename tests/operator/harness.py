@@ -34,7 +34,7 @@ TEST_CONFIG = OperatorConfig(
     region_resync_seconds=1.0,
     node_sweep_seconds=0.5,
     metrics_port=0,
-    watch_server_timeout_seconds=30.0,
+    watch_server_timeout_seconds=30,
     watch_client_timeout_seconds=40.0,
 )
 
