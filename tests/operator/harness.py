@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import subprocess
@@ -151,7 +152,13 @@ class Agent:
         self.node = node
         self.root = root
         self.kubeconfig = kubeconfig
-        self.log = log_dir / f"agent-{node}.log"
+        # a node name may be 253 characters, a file name at most 255 bytes
+        short = (
+            node
+            if len(node) <= 64
+            else f"{node[:48]}-{hashlib.sha256(node.encode()).hexdigest()[:12]}"
+        )
+        self.log = log_dir / f"agent-{short}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Agent:

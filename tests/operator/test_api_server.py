@@ -4,7 +4,10 @@ fake Nodes whose agents keep real files on a real tmpfs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tests.operator.harness import Agent, Cluster, OperatorProcess
+from tests.waiting import wait_for
 
 
 def region_file(cluster: Cluster, name: str) -> str:
@@ -26,3 +29,35 @@ def test_operator_starts_and_gets_a_region_ready(
     api_cluster.wait_gone("r1", timeout=30)
     for agent in api_agents.values():
         assert agent.files() == []
+
+
+# A Node name is a DNS subdomain of up to 253 characters; fully qualified names are common.
+LONGEST_NODE = ".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61])
+
+
+def test_a_node_name_of_253_characters_works_everywhere(
+    api_cluster: Cluster,
+    api_operator: OperatorProcess,
+    small_tmpfs: Path,
+    tmp_path: Path,
+) -> None:
+    assert len(LONGEST_NODE) == 253
+    api_cluster.add_node(LONGEST_NODE)
+    agent = Agent(LONGEST_NODE, small_tmpfs / "long", api_cluster.kubeconfig, tmp_path).start()
+    try:
+        wait_for(
+            lambda: ((api_cluster.offload_node(LONGEST_NODE) or {}).get("status") or {}).get(
+                "heartbeat"
+            ),
+            30,
+            f"the agent to report (log: {agent.output()[-3000:]})",
+        )
+        api_cluster.create_region("r1", placement={"nodeNames": [LONGEST_NODE]})
+        status = api_cluster.wait_phase("r1", "Ready", timeout=60)
+        assert status["nodes"][LONGEST_NODE]["phase"] == "Ready"
+        assert agent.files() == [region_file(api_cluster, "r1")]
+        reasons = {event["reason"] for event in api_cluster.events("r1")}
+        assert {"Created", "Ready"} <= reasons, reasons
+    finally:
+        agent.stop()
+    assert "failed" not in agent.output().lower(), agent.output()[-3000:]
