@@ -78,6 +78,9 @@ GOOD: dict[str, list[Edit]] = {
     "empty nodeSelector selects every node": [setting("spec.placement", {"nodeSelector": {}})],
     "empty placement selects every node": [setting("spec.placement", {})],
     "empty label value": [setting("spec.placement", {"nodeSelector": {"pool": ""}})],
+    "longest label key": [
+        setting("spec.placement", {"nodeSelector": {"a" * 253 + "/" + "k" * 63: "v"}})
+    ],
     "mode 0640": [setting("spec.access.mode", 0o640)],
     "mode 0": [setting("spec.access.mode", 0)],
     "largest uid and gid": [setting("spec.access", {"uid": 2**31 - 1, "gid": 2**31 - 1})],
@@ -229,6 +232,21 @@ BAD: dict[str, tuple[list[Edit], str, str]] = {
         [setting("spec.placement", {"nodeSelector": {"pool": 3}})],
         "spec.placement.nodeSelector[pool]",
         "not a label value",
+    ),
+    "label key too long": (
+        [setting("spec.placement", {"nodeSelector": {"a" * 254 + "/" + "k" * 63: "v"}})],
+        "spec.placement.nodeSelector",
+        "label keys",
+    ),
+    "label key name too long": (
+        [setting("spec.placement", {"nodeSelector": {"k" * 64: "v"}})],
+        "spec.placement.nodeSelector",
+        "label keys",
+    ),
+    "bad label key": (
+        [setting("spec.placement", {"nodeSelector": {"a b": "v"}})],
+        "spec.placement.nodeSelector",
+        "label keys",
     ),
     "too many labels": (
         [setting("spec.placement", {"nodeSelector": {f"k{i}": "v" for i in range(65)}})],

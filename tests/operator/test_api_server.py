@@ -5,9 +5,14 @@ fake Nodes whose agents keep real files on a real tmpfs."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from tests.operator.harness import Agent, Cluster, OperatorProcess
 from tests.waiting import wait_for
+
+CRD = Path(__file__).resolve().parents[2] / "charts/kvshm/crds/offloadregions.kvshm.dev.yaml"
 
 
 def region_file(cluster: Cluster, name: str) -> str:
@@ -61,3 +66,56 @@ def test_a_node_name_of_253_characters_works_everywhere(
     finally:
         agent.stop()
     assert "failed" not in agent.output().lower(), agent.output()[-3000:]
+
+
+def dns_name(index: int, length: int) -> str:
+    """A distinct node name of `length` characters (a DNS subdomain of 63-character labels)."""
+    text = f"n{index:05d}" + "x" * (length - 6)
+    return ".".join(text[i : i + 62] for i in range(0, len(text), 62))[:length].rstrip(".")
+
+
+def test_a_placement_naming_30_long_unknown_nodes_fails_with_a_summary(
+    api_cluster: Cluster, api_operator: OperatorProcess
+) -> None:
+    unknown = sorted(dns_name(i, 200) for i in range(30))
+    api_cluster.create_region("r1", placement={"nodeNames": unknown})
+    status = api_cluster.wait_phase("r1", "Failed", timeout=60)
+    message = status["message"]
+    assert len(message) <= 4096
+    assert "30 nodes" in message and unknown[0] in message and "27 more" in message, message
+    assert api_cluster.condition("r1", "Accepted")["reason"] == "UnknownNode"
+    api_cluster.delete_region("r1")
+    api_cluster.wait_gone("r1", timeout=30)
+
+
+def largest_spec() -> dict[str, Any]:
+    """The largest spec the CRD admits: as many of the longest node names and selector labels
+    as it allows (and the longest instance id)."""
+    crd = yaml.safe_load(CRD.read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    names = spec["properties"]["placement"]["properties"]["nodeNames"]
+    selector = spec["properties"]["placement"]["properties"]["nodeSelector"]
+    name_length = names["items"]["maxLength"]
+    value_length = selector["additionalProperties"]["maxLength"]
+    return {
+        "instanceId": "i" * 128,
+        "placement": {
+            "nodeNames": [dns_name(i, name_length) for i in range(names["maxItems"])],
+            "nodeSelector": {
+                f"{dns_name(i, 253)}/{'k' * 63}": "v" * value_length
+                for i in range(selector["maxProperties"])
+            },
+        },
+    }
+
+
+def test_the_largest_spec_gets_a_phase_and_deletes(
+    api_cluster: Cluster, api_operator: OperatorProcess
+) -> None:
+    api_cluster.create_region("big", **largest_spec())
+    status = api_cluster.wait_phase("big", "Failed", timeout=60)
+    assert len(status["message"]) <= 4096
+    for condition in status["conditions"]:
+        assert len(condition["message"]) <= 32768
+    api_cluster.delete_region("big")
+    api_cluster.wait_gone("big", timeout=30)

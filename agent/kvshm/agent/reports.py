@@ -9,6 +9,7 @@ from enum import StrEnum
 from typing import Any
 
 from kvshm.api import NodeRegionPhase, ReclaimOutcome
+from kvshm.api.messages import MAX_STATUS_MESSAGE, bounded
 
 __all__ = ["ReclaimOutcome"]  # re-exported: reports carry it
 
@@ -38,7 +39,7 @@ class NodeReport:
             "sizeBytes": self.size_bytes,
             "populatedBytes": self.populated_bytes,
             "locked": self.locked,
-            "message": self.message,
+            "message": bounded(self.message, MAX_STATUS_MESSAGE),
             # null, not absent: a merge patch leaves absent keys as an earlier phase set them
             "populateSeconds": (
                 None if self.populate_seconds is None else round(self.populate_seconds, 3)
@@ -120,7 +121,7 @@ class ReclaimResult:
         return {
             "path": self.path,
             "outcome": self.outcome.status_value,
-            "message": self.message,
+            "message": bounded(self.message, MAX_STATUS_MESSAGE),
             "time": format_timestamp(self.time),
         }
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvshm.api import OffloadRegion
+from kvshm.api import OffloadRegion, RegionPlacement
+from kvshm.api.messages import summarize
 from kvshm.operator.cluster import AgentState, ClusterView
 
 
@@ -63,7 +64,7 @@ def place(region: OffloadRegion, cluster: ClusterView) -> Placement:
         return Placement(
             Verdict.REJECTED,
             PlacementReason.UNKNOWN_NODE,
-            f"spec.placement.nodeNames lists {', '.join(unknown)}, which "
+            f"spec.placement.nodeNames lists {summarize(unknown)}, which "
             f"{'is not a Node' if len(unknown) == 1 else 'are not Nodes'} of this cluster: "
             "fix the names (kubectl get nodes) or remove them",
             targets,
@@ -73,7 +74,7 @@ def place(region: OffloadRegion, cluster: ClusterView) -> Placement:
             Verdict.REJECTED,
             PlacementReason.NO_MATCHING_NODE,
             f"spec.placement matches none of the cluster's {len(cluster.nodes)} nodes "
-            f"(nodeNames {list(wanted.node_names)}, nodeSelector {dict(wanted.node_selector)}): "
+            f"({_describe(wanted)}): "
             "label a node to match, or change the placement",
         )
     return _check_capacity(region, cluster, targets)
@@ -95,7 +96,7 @@ def _check_capacity(
         return Placement(
             Verdict.WAITING,
             PlacementReason.WAITING_FOR_AGENTS,
-            f"waiting for {', '.join(unmeasured)} to report the capacity of the region root: "
+            f"waiting for {summarize(unmeasured)} to report the capacity of the region root: "
             + _why_unmeasured(cluster, unmeasured[0]),
             targets,
         )
@@ -108,6 +109,16 @@ def _check_capacity(
         "or place it on nodes with more shared memory",
         targets,
     )
+
+
+def _describe(placement: RegionPlacement) -> str:
+    labels = [f"{key}={value}" for key, value in placement.node_selector.items()]
+    parts = []
+    if placement.node_names:
+        parts.append(f"nodeNames {summarize(placement.node_names, 'names')}")
+    if labels:
+        parts.append(f"nodeSelector {summarize(labels, 'labels')}")
+    return ", ".join(parts)
 
 
 def _why_unmeasured(cluster: ClusterView, node: str) -> str:
