@@ -148,8 +148,9 @@ class Cluster:
 class Agent:
     """A real kvshm-agent process for one (fake) node, rooted on a real tmpfs directory."""
 
-    def __init__(self, node: str, root: Path, kubeconfig: Path, log_dir: Path) -> None:
+    def __init__(self, node: str, root: Path, kubeconfig: Path, log_dir: Path, *extra: str) -> None:
         self.node = node
+        self.extra = extra  # more kvshm-agent flags
         self.root = root
         self.kubeconfig = kubeconfig
         # a node name may be 253 characters, a file name at most 255 bytes
@@ -172,6 +173,7 @@ class Agent:
             "--drain-grace-seconds", "2",
             "--no-http",
             "--log-level", "debug",
+            *self.extra,
         ]  # fmt: skip
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

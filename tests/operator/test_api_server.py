@@ -119,3 +119,51 @@ def test_the_largest_spec_gets_a_phase_and_deletes(
         assert len(condition["message"]) <= 32768
     api_cluster.delete_region("big")
     api_cluster.wait_gone("big", timeout=30)
+
+
+def test_regions_refused_for_capacity_create_nothing_and_delete_promptly(
+    api_cluster: Cluster, api_operator: OperatorProcess, small_tmpfs: Path, tmp_path: Path
+) -> None:
+    """1 EiB; more than the node's 64 MiB root; more than free space less the reserve."""
+    root = small_tmpfs / "node-a"
+    reserve = str(48 * 2**20)
+    agent = Agent("node-a", root, api_cluster.kubeconfig, tmp_path, "--reserve-bytes", reserve)
+    agent.start()
+    try:
+        wait_for(
+            lambda: ((api_cluster.offload_node("node-a") or {}).get("status") or {}).get(
+                "capacityBytes"
+            ),
+            30,
+            "the agent to measure its root",
+        )
+        blocks = {"huge": 2**44, "larger-than-node": 2048, "over-the-reserve": 512}  # x 64 KiB
+        for name, num_blocks in blocks.items():
+            api_cluster.create_region(
+                name,
+                layout={"numBlocks": num_blocks, "cpuPageSize": 65536},
+                placement={"nodeNames": ["node-a"]},
+            )
+        for name in blocks:
+            api_cluster.wait_phase(name, "Failed", timeout=60)
+        wait_for(
+            lambda: all(
+                (api_cluster.status(name).get("nodes") or {}).get("node-a", {}).get("phase")
+                == "Failed"
+                for name in ("over-the-reserve",)
+            ),
+            30,
+            "the agent to refuse the region over its reserve",
+        )
+        assert (
+            "not enough room"
+            in api_cluster.status("over-the-reserve")["nodes"]["node-a"]["message"]
+        )
+        assert not (root / api_cluster.namespace).exists(), list(root.rglob("*"))
+        for name in blocks:
+            api_cluster.delete_region(name)
+        for name in blocks:
+            api_cluster.wait_gone(name, timeout=15)
+        assert not (root / api_cluster.namespace).exists(), list(root.rglob("*"))
+    finally:
+        agent.stop()
