@@ -82,7 +82,6 @@ GOOD: dict[str, list[Edit]] = {
         setting("spec.placement", {"nodeSelector": {"a" * 253 + "/" + "k" * 63: "v"}})
     ],
     "mode 0640": [setting("spec.access.mode", 0o640)],
-    "mode 0": [setting("spec.access.mode", 0)],
     "largest uid and gid": [setting("spec.access", {"uid": 2**31 - 1, "gid": 2**31 - 1})],
     "most workers": [setting("spec.layout.numWorkers", 1024)],
     "largest size": [setting("spec.layout", {"numBlocks": INT64_MAX, "cpuPageSize": 1})],
@@ -185,6 +184,12 @@ BAD: dict[str, tuple[list[Edit], str, str]] = {
         [setting("spec.access.mode", 0o602)],
         "spec.access.mode",
         "other users",
+    ),
+    "mode 0": ([setting("spec.access.mode", 0)], "spec.access.mode", "read and write"),
+    "owner cannot write": (
+        [setting("spec.access.mode", 0o440)],
+        "spec.access.mode",
+        "read and write",
     ),
     "mode above 0777": ([setting("spec.access.mode", 0o1000)], "spec.access.mode", "0-0777"),
     "negative mode": ([setting("spec.access.mode", -8)], "spec.access.mode", "0-0777"),

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from kvshm.api import GROUP, REGION_PLURAL, VERSION, SpecError, parse_offload_region
-from tests.api.test_crd_agreement import BAD, DEMO, GOOD, manifest_for, spec_of
+from tests.api.test_crd_agreement import BAD, DEMO, GOOD, manifest_for, setting, spec_of
 from tests.envtest.chart import ensure_namespace
 
 Answer = dict[str, Any] | kubernetes.client.ApiException
@@ -85,3 +85,27 @@ def test_the_demo_region_is_accepted(envtest_admin: kubernetes.client.ApiClient)
     stored = dry_run_create(envtest_admin, copy.deepcopy(manifest))
     assert isinstance(stored, dict), stored.body
     assert parse_offload_region(stored).layout == parse_offload_region(manifest).layout
+
+
+def test_unknown_fields_are_refused_by_strict_validation_and_else_dropped(
+    envtest_admin: kubernetes.client.ApiClient,
+) -> None:
+    """What docs/crds.md says: `kubectl apply` (strict by default) refuses an unknown field;
+    a client that does not ask for strict validation gets it dropped, with a warning."""
+    manifest = manifest_for([setting("spec.colour", "blue"), setting("spec.layout.x", 1)])
+    custom = kubernetes.client.CustomObjectsApi(envtest_admin)
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        custom.create_namespaced_custom_object(
+            GROUP, VERSION, "default", REGION_PLURAL, manifest,
+            dry_run="All", field_validation="Strict",
+        )  # fmt: skip
+    assert refused.value.status == 400
+    message = yaml.safe_load(refused.value.body)["message"]
+    assert 'strict decoding error: unknown field "spec.colour"' in message
+    assert 'unknown field "spec.layout.x"' in message
+    response = custom.create_namespaced_custom_object_with_http_info(
+        GROUP, VERSION, "default", REGION_PLURAL, manifest, dry_run="All"
+    )
+    stored, headers = response[0], response[2]
+    assert "colour" not in stored["spec"] and "x" not in stored["spec"]["layout"]
+    assert 'unknown field \\"spec.colour\\"' in headers.get("Warning", "")  # quoted in the header

@@ -99,7 +99,9 @@ def api_operator(
     request: pytest.FixtureRequest,
 ) -> Iterator[OperatorProcess]:
     """`python -m kvshm.operator` with the chart's operator ServiceAccount token."""
-    operator = OperatorProcess(operator_kubeconfig, tmp_path).start()
+    operator = OperatorProcess(
+        operator_kubeconfig, tmp_path, args=("--liveness", "none", "--log-level", "debug")
+    ).start()
     yield operator
     operator.kill()
     failed = getattr(request.node, "rep_call", None)

@@ -4,6 +4,7 @@ fake Nodes whose agents keep real files on a real tmpfs."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +168,24 @@ def test_regions_refused_for_capacity_create_nothing_and_delete_promptly(
         assert not (root / api_cluster.namespace).exists(), list(root.rglob("*"))
     finally:
         agent.stop()
+
+
+def test_a_node_deleted_under_a_live_agent_degrades_its_regions(
+    api_cluster: Cluster, api_agents: dict[str, Agent], api_operator: OperatorProcess
+) -> None:
+    api_cluster.create_region("named", placement={"nodeNames": ["node-a"]})
+    api_cluster.create_region("everywhere")
+    for name in ("named", "everywhere"):
+        api_cluster.wait_phase(name, "Ready", timeout=60)
+    api_cluster.delete_node("node-a")
+    for name in ("named", "everywhere"):
+        status = api_cluster.wait_phase(name, "Degraded", timeout=30)
+        assert status["nodes"]["node-a"]["phase"] == "Ready"
+        assert "node-a" in status["message"] and "deleted" in status["message"], status
+    deadline = time.monotonic() + 5  # and it stays so (the resync runs every second)
+    while time.monotonic() < deadline:
+        assert {api_cluster.phase("named"), api_cluster.phase("everywhere")} == {"Degraded"}
+        time.sleep(0.5)
+    assert api_agents["node-a"].files() == [
+        region_file(api_cluster, n) for n in ("everywhere", "named")
+    ]

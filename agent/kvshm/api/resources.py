@@ -37,6 +37,7 @@ MAX_ID = 2**31 - 1
 MAX_NUM_WORKERS = 1024
 MAX_NODE_NAMES = 1000
 MAX_NODE_SELECTOR_LABELS = 64
+OWNER_READ_WRITE = 0o600  # the engine maps the file read-write as its owner
 
 
 class SpecError(ValueError):
@@ -222,6 +223,11 @@ def parse_offload_region(manifest: Mapping[str, Any]) -> OffloadRegion:
         check_file_mode(mode)
     except InvalidLayoutError as exc:
         raise SpecError(f"spec.access.mode: {exc}") from exc
+    if mode & OWNER_READ_WRITE != OWNER_READ_WRITE:
+        raise SpecError(
+            f"spec.access.mode {mode:#o} must let the owner read and write the file (0600): "
+            "the serving engine maps it read-write, e.g. 384 (0600) or 416 (0640)"
+        )
 
     policy = _field(spec, "reclaimPolicy", str, ReclaimPolicy.DELETE.value)
     try:

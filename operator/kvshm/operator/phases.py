@@ -147,6 +147,7 @@ def _node_problems(
 ) -> list[tuple[str, str]]:
     """(reason, message) for every target node that cannot make progress, worst first."""
     failures = []
+    deleted = []
     silences = []
     for node in targets:
         report = reports.get(node)
@@ -155,6 +156,17 @@ def _node_problems(
             failures.append(("NodeFailed", f"failed on {node}: {detail}"))
         elif cluster.agent_state(node) is not AgentState.ALIVE:
             silences.append(("AgentSilent", cluster.silence_message(node)))
+        elif not cluster.node_exists(node):
+            deleted.append(node)
+    if deleted:
+        failures.append(
+            (
+                "NodeDeleted",
+                f"the Node object of {summarize(deleted)} was deleted while the kvshm agent "
+                "there still runs: the region is kept there until that agent stops or the node "
+                "registers again",
+            )
+        )
     return failures + silences
 
 

@@ -47,7 +47,7 @@ def place(region: OffloadRegion, cluster: ClusterView) -> Placement:
     wanted = region.placement
     if not wanted.node_names and not wanted.node_selector:
         # No placement: every node that runs an agent.
-        targets = tuple(sorted(name for name in cluster.agents if cluster.node_exists(name)))
+        targets = tuple(sorted(name for name in cluster.agents if cluster.node_known(name)))
         if not targets:
             return Placement(
                 Verdict.WAITING,
@@ -56,10 +56,11 @@ def place(region: OffloadRegion, cluster: ClusterView) -> Placement:
             )
         return _check_capacity(region, cluster, targets)
 
-    unknown = [name for name in wanted.node_names if not cluster.node_exists(name)]
-    targets = tuple(
-        sorted(name for name, labels in cluster.nodes.items() if wanted.matches(name, labels))
-    )
+    unknown = [name for name in wanted.node_names if not cluster.node_known(name)]
+    matching = {name for name, labels in cluster.nodes.items() if wanted.matches(name, labels)}
+    if not wanted.node_selector:  # a deleted Node's labels are unknown: only names can match
+        matching |= {name for name in wanted.node_names if cluster.node_known(name)}
+    targets = tuple(sorted(matching))
     if unknown:
         return Placement(
             Verdict.REJECTED,
