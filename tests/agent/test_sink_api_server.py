@@ -1,5 +1,6 @@
 """The agent's status sink against a real kube-apiserver, as the chart's agent ServiceAccount:
-what it writes is accepted, with names as long as Kubernetes allows."""
+what it writes is accepted (with names as long as Kubernetes allows), kept by the CRDs'
+pruning, and read back by the operator as written."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import pytest
 
 from kvshm.agent.cluster.sink import ClusterSink
 from kvshm.agent.errors import ErrorReason
-from kvshm.agent.reports import AgentEvent, EventReason, PassResult
-from kvshm.api import GROUP, REGION_PLURAL, VERSION
+from kvshm.agent.reports import AgentEvent, EventReason, NodeReport, PassResult
+from kvshm.api import GROUP, REGION_PLURAL, VERSION, NodeRegionPhase
+from kvshm.operator.reports import NodeReport as OperatorNodeReport
+from kvshm.operator.reports import parse_node_reports
 from tests.envtest.fixtures import ChartAccounts
 from tests.envtest.server import EnvTest
+from tests.kube import manifests
 
 # The longest names Kubernetes allows: a Node (and so an OffloadNode) and a region, each a DNS
 # subdomain of 253 characters.
@@ -41,12 +45,7 @@ def test_events_about_253_character_names_are_created(
     envtest_admin: kubernetes.client.ApiClient,
     envtest_namespace: str,
 ) -> None:
-    region = {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "OffloadRegion",
-        "metadata": {"name": LONGEST_REGION},
-        "spec": {"instanceId": "r1", "layout": {"numBlocks": 1, "cpuPageSize": 4096}},
-    }
+    region = manifests.region(LONGEST_REGION, envtest_namespace, instanceId="r1")
     created = kubernetes.client.CustomObjectsApi(envtest_admin).create_namespaced_custom_object(
         GROUP, VERSION, envtest_namespace, REGION_PLURAL, region
     )
@@ -74,3 +73,46 @@ def test_events_about_253_character_names_are_created(
     assert [(e.involved_object.name, e.message) for e in about_region] == [
         (LONGEST_REGION, "about the region")
     ]
+
+
+def test_every_field_of_a_node_report_survives_the_crd_and_reads_back(
+    agent_sink: ClusterSink,
+    envtest_admin: kubernetes.client.ApiClient,
+    envtest_namespace: str,
+) -> None:
+    """The status contract: what the agent writes into status.nodes.<node> is kept by the
+    CRD's structural pruning, and is what the operator reads."""
+    custom = kubernetes.client.CustomObjectsApi(envtest_admin)
+    created = custom.create_namespaced_custom_object(
+        GROUP, VERSION, envtest_namespace, REGION_PLURAL, manifests.region("r1", envtest_namespace)
+    )
+    report = NodeReport(
+        NodeRegionPhase.READY,
+        path="/dev/shm/kvshm/ns/r1/vllm_offload_r1.mmap",
+        size_bytes=65536,
+        populated_bytes=65536,
+        locked=True,
+        populate_seconds=0.25,
+        holders=2,
+        message="ready",
+        observed_generation=created["metadata"]["generation"],
+    )
+    agent_sink.publish(PassResult(reports={f"{envtest_namespace}/r1": report}))
+    assert agent_sink.errors == []  # type: ignore[attr-defined]
+    stored = custom.get_namespaced_custom_object(
+        GROUP, VERSION, envtest_namespace, REGION_PLURAL, "r1"
+    )
+    entry = stored["status"]["nodes"][LONGEST_NODE]
+    sent = report.to_status()
+    assert {k: entry.get(k) for k in sent} == sent
+    assert set(entry) == {*sent, "lastTransitionTime"}
+    read = parse_node_reports(stored["status"])[LONGEST_NODE]
+    assert read == OperatorNodeReport(
+        phase=NodeRegionPhase.READY,
+        path=report.path,
+        populated_bytes=report.populated_bytes,
+        locked=True,
+        message="ready",
+        observed_generation=1,
+    )
+    assert read.ready_for(stored["metadata"]["generation"])

@@ -11,6 +11,7 @@ import pytest
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
 from tests.envtest.fixtures import ChartAccounts
 from tests.envtest.server import EnvTest, MissingAssetsError, assets_dir
+from tests.kube import manifests
 
 
 def test_missing_binaries_are_named_with_how_to_get_them(
@@ -54,12 +55,7 @@ def test_chart_accounts_have_exactly_the_charts_permissions(
                 VERSION,
                 envtest_namespace,
                 REGION_PLURAL,
-                {
-                    "apiVersion": f"{GROUP}/{VERSION}",
-                    "kind": "OffloadRegion",
-                    "metadata": {"name": "r"},
-                    "spec": {"layout": {"numBlocks": 1, "cpuPageSize": 4096}},
-                },
+                manifests.region("r", envtest_namespace),
             )
         assert refused.value.status == 403
         with pytest.raises(kubernetes.client.ApiException) as refused:

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from kvshm.api import GROUP, REGION_PLURAL, VERSION
 from tests.operator.harness import Agent, Cluster, OperatorProcess
 from tests.waiting import wait_for
 
@@ -189,3 +190,31 @@ def test_a_node_deleted_under_a_live_agent_degrades_its_regions(
     assert api_agents["node-a"].files() == [
         region_file(api_cluster, n) for n in ("everywhere", "named")
     ]
+
+
+def test_ready_only_when_every_node_reports_the_current_generation(
+    api_cluster: Cluster, api_agents: dict[str, Agent], api_operator: OperatorProcess
+) -> None:
+    """observedGeneration round trip: the agents write the generation they acted on, the CRD
+    keeps it, and the operator calls the region Ready only for the current one."""
+    api_cluster.create_region("r1")
+    status = api_cluster.wait_phase("r1", "Ready", timeout=60)
+    assert {n["observedGeneration"] for n in status["nodes"].values()} == {1}
+    for agent in api_agents.values():
+        agent.stop()  # the reports stay as they are: generation 1
+    api_cluster.custom.patch_namespaced_custom_object(
+        GROUP, VERSION, api_cluster.namespace, REGION_PLURAL, "r1", {"spec": {"lock": False}}
+    )
+    status = wait_for(
+        lambda: (s := api_cluster.status("r1")).get("observedGeneration") == 2 and s,
+        30,
+        "the operator to act on generation 2",
+    )
+    assert status["phase"] != "Ready" and status["nodesReady"] == 0, status
+    assert {n["observedGeneration"] for n in status["nodes"].values()} == {1}
+    for agent in api_agents.values():
+        agent.start()
+    status = api_cluster.wait_phase("r1", "Ready", timeout=60)
+    assert status["observedGeneration"] == 2
+    assert {n["observedGeneration"] for n in status["nodes"].values()} == {2}
+    assert {n["locked"] for n in status["nodes"].values()} == {False}

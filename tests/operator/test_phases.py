@@ -26,6 +26,12 @@ def test_some_nodes_working_is_provisioning() -> None:
     assert "b: Populating" in status.message
 
 
+def test_a_ready_report_that_names_no_generation_is_not_ready() -> None:
+    unsaid = {"a": NodeReport(NodeRegionPhase.READY)}
+    status = derive_status(region(node_names=["a"]), unsaid, cluster(["a"]))
+    assert status.phase is RegionPhase.PROVISIONING and status.ready_nodes == 0
+
+
 def test_every_target_ready_is_ready_with_true_condition() -> None:
     status = derive_status(TWO, reports(a="Ready", b="Ready"), cluster(["a", "b"]))
     assert status.phase is RegionPhase.READY

@@ -216,7 +216,9 @@ class NodeReconciler:
             if key in view.regions and (key, region.instance_id) not in self._drains:
                 self._remove_empty_dir(region)
                 self._finished[key] = NodeReport(
-                    NodeRegionPhase.REMOVED, message="nothing of the region is on this node"
+                    NodeRegionPhase.REMOVED,
+                    message="nothing of the region is on this node",
+                    observed_generation=region.generation,
                 )
         self._given_up = []
 
@@ -256,6 +258,7 @@ class NodeReconciler:
             self._finished[region.key] = NodeReport(
                 NodeRegionPhase.REMOVED,
                 message=step.message,
+                observed_generation=region.generation,
             )
             self._event(EventReason.DRAINED, region, step.message)
 
@@ -510,6 +513,7 @@ class NodeReconciler:
                 populate_seconds=status.populate_seconds,
                 holders=self._holds.flock_holders(hosted.file_id),
                 message=message,
+                observed_generation=hosted.region.generation,
             )
         return reports
 
@@ -521,6 +525,7 @@ class NodeReconciler:
             path=self._file_path(region),
             size_bytes=region.size_bytes,
             message=message,
+            observed_generation=region.generation,
         )
 
     def _file_path(self, region: OffloadRegion) -> str:

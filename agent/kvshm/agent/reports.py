@@ -31,6 +31,9 @@ class NodeReport:
     populate_seconds: float | None = None
     holders: int | None = None  # processes holding the file's shared flock, when known
     message: str = ""
+    # metadata.generation of the spec this report is about; the operator counts a Ready
+    # report only for the region's current generation
+    observed_generation: int = 0
 
     def to_status(self) -> dict[str, Any]:
         status: dict[str, Any] = {
@@ -45,6 +48,7 @@ class NodeReport:
                 None if self.populate_seconds is None else round(self.populate_seconds, 3)
             ),
             "holders": self.holders,
+            "observedGeneration": self.observed_generation,
         }
         return status
 
