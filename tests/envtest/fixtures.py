@@ -7,6 +7,7 @@ OffloadNodes (cluster-scoped) are deleted after each test that used envtest_name
 
 from __future__ import annotations
 
+import contextlib
 import re
 import secrets
 from collections.abc import Iterator
@@ -43,17 +44,14 @@ class ChartAccounts:
 @pytest.fixture(scope="session")
 def envtest() -> Iterator[EnvTest]:
     """etcd + kube-apiserver v1.28 for the session, with charts/kvshm/crds applied."""
-    try:
-        manager = start_envtest()
-        server = manager.__enter__()
-    except MissingAssetsError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(start_envtest())
+        except MissingAssetsError as exc:
+            pytest.fail(str(exc), pytrace=False)
         with server.api_client() as client:
             apply_crds(client)
         yield server
-    finally:
-        manager.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")
@@ -106,25 +104,31 @@ def envtest_namespace(envtest: EnvTest, request: pytest.FixtureRequest) -> Itera
 
 
 def clean_up(client: kubernetes.client.ApiClient, namespace: str) -> None:
+    """Delete the namespace's OffloadRegions and every OffloadNode and Node, finalizers (the
+    operator's, on regions and, for its timers, on OffloadNodes) stripped first."""
     custom = kubernetes.client.CustomObjectsApi(client)
     core = kubernetes.client.CoreV1Api(client)
     regions = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, REGION_PLURAL)
     for region in regions["items"]:
-        name = region["metadata"]["name"]
-        _ignore_missing(
-            custom.patch_namespaced_custom_object,
-            GROUP, VERSION, namespace, REGION_PLURAL, name, {"metadata": {"finalizers": None}},
-        )  # fmt: skip
-        _ignore_missing(
-            custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, REGION_PLURAL, name
-        )
+        _force_delete(custom, REGION_PLURAL, region["metadata"]["name"], namespace)
     for offload_node in custom.list_cluster_custom_object(GROUP, VERSION, NODE_PLURAL)["items"]:
-        _ignore_missing(
-            custom.delete_cluster_custom_object,
-            GROUP, VERSION, NODE_PLURAL, offload_node["metadata"]["name"],
-        )  # fmt: skip
+        _force_delete(custom, NODE_PLURAL, offload_node["metadata"]["name"])
     for node in core.list_node().items:
         _ignore_missing(core.delete_node, node.metadata.name)
+
+
+def _force_delete(
+    custom: kubernetes.client.CustomObjectsApi, plural: str, name: str, namespace: str = ""
+) -> None:
+    where = (GROUP, VERSION, namespace, plural) if namespace else (GROUP, VERSION, plural)
+    patch = (
+        custom.patch_namespaced_custom_object if namespace else custom.patch_cluster_custom_object
+    )
+    delete = (
+        custom.delete_namespaced_custom_object if namespace else custom.delete_cluster_custom_object
+    )
+    _ignore_missing(patch, *where, name, {"metadata": {"finalizers": None}})
+    _ignore_missing(delete, *where, name)
 
 
 def _ignore_missing(call: object, *args: object) -> None:

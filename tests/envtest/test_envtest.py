@@ -9,7 +9,7 @@ import kubernetes
 import pytest
 
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
-from tests.envtest.fixtures import ChartAccounts
+from tests.envtest.fixtures import ChartAccounts, clean_up
 from tests.envtest.server import EnvTest, MissingAssetsError, assets_dir
 from tests.kube import manifests
 
@@ -62,3 +62,28 @@ def test_chart_accounts_have_exactly_the_charts_permissions(
             kubernetes.client.CoreV1Api(client).list_namespaced_secret(envtest_namespace)
         assert refused.value.status == 403
     assert set(chart_accounts.tokens) >= {"agent", "operator"}
+
+
+def test_clean_up_leaves_no_region_offload_node_or_node_behind(
+    envtest_admin: kubernetes.client.ApiClient, envtest_namespace: str
+) -> None:
+    """Finalizers included: the operator's stay on objects after its process is gone."""
+    custom = kubernetes.client.CustomObjectsApi(envtest_admin)
+    core = kubernetes.client.CoreV1Api(envtest_admin)
+    finalizers = {"metadata": {"finalizers": ["kvshm.dev/operator"]}}
+    region = manifests.region("r", envtest_namespace)
+    region["metadata"].update(finalizers["metadata"])
+    custom.create_namespaced_custom_object(GROUP, VERSION, envtest_namespace, REGION_PLURAL, region)
+    node = manifests.offload_node("n1")
+    node["metadata"].update(finalizers["metadata"])
+    custom.create_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, node)
+    core.create_node(manifests.node("n1"))
+    clean_up(envtest_admin, envtest_namespace)
+    assert (
+        custom.list_namespaced_custom_object(GROUP, VERSION, envtest_namespace, REGION_PLURAL)[
+            "items"
+        ]
+        == []
+    )
+    assert custom.list_cluster_custom_object(GROUP, VERSION, NODE_PLURAL)["items"] == []
+    assert core.list_node().items == []
