@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from kvshm.api import GROUP, REGION_PLURAL, VERSION
+from tests.envtest.server import EnvTest
 from tests.operator.harness import Agent, Cluster, OperatorProcess
 from tests.waiting import wait_for
 
@@ -218,3 +219,23 @@ def test_ready_only_when_every_node_reports_the_current_generation(
     assert status["observedGeneration"] == 2
     assert {n["observedGeneration"] for n in status["nodes"].values()} == {2}
     assert {n["locked"] for n in status["nodes"].values()} == {False}
+
+
+def test_an_api_server_restart_under_running_agents_and_operator(
+    envtest: EnvTest,
+    api_cluster: Cluster,
+    api_agents: dict[str, Agent],
+    api_operator: OperatorProcess,
+) -> None:
+    api_cluster.create_region("before")
+    api_cluster.wait_phase("before", "Ready", timeout=60)
+    envtest.stop_apiserver()
+    time.sleep(3)  # every watch breaks; agents and operator retry
+    envtest.start_apiserver()
+    api_cluster.create_region("after")
+    api_cluster.wait_phase("after", "Ready", timeout=90)
+    assert api_cluster.phase("before") == "Ready"
+    processes = [a.process for a in api_agents.values()] + [api_operator.process]
+    assert all(p is not None and p.poll() is None for p in processes)
+    for agent in api_agents.values():
+        assert agent.files() == [region_file(api_cluster, n) for n in ("after", "before")]
