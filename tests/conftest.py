@@ -16,10 +16,13 @@ from pathlib import Path
 
 import pytest
 
-# The Kubernetes API emulator's fixtures (kube_api, kubeconfig) for every test directory.
-# Only where kmock is installed (the dev extra): the GPU machine runs tests/region and
-# tests/transfer with its own Python, which has no kmock.
-pytest_plugins = ("tests.kube.fixtures",) if importlib.util.find_spec("kmock") else ()
+# The Kubernetes API emulator's fixtures (kube_api, kubeconfig) and the real API server's
+# (envtest, chart_accounts, envtest_namespace, ...: tests/envtest/README.md) for every test
+# directory. Only where the dev extra is installed (kmock, kubernetes): the GPU machine runs
+# tests/region and tests/transfer with its own Python, which has neither.
+pytest_plugins = (
+    ("tests.kube.fixtures", "tests.envtest.fixtures") if importlib.util.find_spec("kmock") else ()
+)
 
 CUDA_SKIP_REASON = "needs a CUDA device"
 

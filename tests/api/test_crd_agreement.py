@@ -78,8 +78,10 @@ GOOD: dict[str, list[Edit]] = {
     "empty nodeSelector selects every node": [setting("spec.placement", {"nodeSelector": {}})],
     "empty placement selects every node": [setting("spec.placement", {})],
     "empty label value": [setting("spec.placement", {"nodeSelector": {"pool": ""}})],
+    "longest label key": [
+        setting("spec.placement", {"nodeSelector": {"a" * 253 + "/" + "k" * 63: "v"}})
+    ],
     "mode 0640": [setting("spec.access.mode", 0o640)],
-    "mode 0": [setting("spec.access.mode", 0)],
     "largest uid and gid": [setting("spec.access", {"uid": 2**31 - 1, "gid": 2**31 - 1})],
     "most workers": [setting("spec.layout.numWorkers", 1024)],
     "largest size": [setting("spec.layout", {"numBlocks": INT64_MAX, "cpuPageSize": 1})],
@@ -183,6 +185,12 @@ BAD: dict[str, tuple[list[Edit], str, str]] = {
         "spec.access.mode",
         "other users",
     ),
+    "mode 0": ([setting("spec.access.mode", 0)], "spec.access.mode", "read and write"),
+    "owner cannot write": (
+        [setting("spec.access.mode", 0o440)],
+        "spec.access.mode",
+        "read and write",
+    ),
     "mode above 0777": ([setting("spec.access.mode", 0o1000)], "spec.access.mode", "0-0777"),
     "negative mode": ([setting("spec.access.mode", -8)], "spec.access.mode", "0-0777"),
     "negative uid": ([setting("spec.access.uid", -1)], "spec.access.uid", "uid/gid"),
@@ -229,6 +237,21 @@ BAD: dict[str, tuple[list[Edit], str, str]] = {
         [setting("spec.placement", {"nodeSelector": {"pool": 3}})],
         "spec.placement.nodeSelector[pool]",
         "not a label value",
+    ),
+    "label key too long": (
+        [setting("spec.placement", {"nodeSelector": {"a" * 254 + "/" + "k" * 63: "v"}})],
+        "spec.placement.nodeSelector",
+        "label keys",
+    ),
+    "label key name too long": (
+        [setting("spec.placement", {"nodeSelector": {"k" * 64: "v"}})],
+        "spec.placement.nodeSelector",
+        "label keys",
+    ),
+    "bad label key": (
+        [setting("spec.placement", {"nodeSelector": {"a b": "v"}})],
+        "spec.placement.nodeSelector",
+        "label keys",
     ),
     "too many labels": (
         [setting("spec.placement", {"nodeSelector": {f"k{i}": "v" for i in range(65)}})],

@@ -85,11 +85,14 @@ def cluster(
 
 
 def reports(**phases: str) -> dict[str, NodeReport]:
-    """reports(a="Ready", b="Failed: no space") -> status.nodes as the agents wrote it."""
+    """reports(a="Ready", b="Failed: no space") -> status.nodes as the agents wrote it, about
+    generation 1 (region()'s default)."""
     result = {}
     for node, text in phases.items():
         phase, _, message = text.partition(": ")
-        result[node.replace("_", "-")] = NodeReport(NodeRegionPhase(phase), message=message)
+        result[node.replace("_", "-")] = NodeReport(
+            NodeRegionPhase(phase), message=message, observed_generation=1
+        )
     return result
 
 

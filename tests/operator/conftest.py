@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.envtest.server import EnvTest
 from tests.kube.runner import KubeApi
-from tests.operator.harness import NAMESPACE, Agent, Cluster
+from tests.operator.harness import NAMESPACE, Agent, Cluster, OperatorProcess
 from tests.waiting import wait_for
 
 NODES = ("node-a", "node-b")
@@ -20,7 +21,7 @@ def cluster(
     kube_api: KubeApi, kubeconfig: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Cluster]:
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    result = Cluster(kube_api, kubeconfig)
+    result = Cluster(kube_api.api_client(), kubeconfig)
     result.core.create_namespace({"metadata": {"name": NAMESPACE}})
     for node in NODES:
         result.add_node(node, {"kvshm.dev/pool": "gpu"})
@@ -34,9 +35,14 @@ def agents(
     cluster: Cluster, small_tmpfs: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[dict[str, Agent]]:
     """A kvshm-agent per node, each with its own root on one real 64 MiB tmpfs."""
+    yield from _agents(cluster, small_tmpfs, tmp_path, request)
+
+
+def _agents(
+    cluster: Cluster, tmpfs: Path, log_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[dict[str, Agent]]:
     started = {
-        node: Agent(node, small_tmpfs / node, cluster.kubeconfig, tmp_path).start()
-        for node in NODES
+        node: Agent(node, tmpfs / node, cluster.kubeconfig, log_dir).start() for node in NODES
     }
     for node in NODES:  # both registered (OffloadNode with a heartbeat) before a test begins
         wait_for(
@@ -60,3 +66,44 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     setattr(item, "rep_" + report.when, report)  # type: ignore[attr-defined]
     return report
+
+
+# --- the same cluster on a real kube-apiserver (tests/envtest) --------------------------------
+
+
+@pytest.fixture
+def api_cluster(
+    envtest: EnvTest, envtest_namespace: str, agent_kubeconfig: Path
+) -> Iterator[Cluster]:
+    """The admin's view of a real API server: a fresh namespace, NODES as Node objects."""
+    result = Cluster(envtest.api_client(), agent_kubeconfig, envtest_namespace)
+    for node in NODES:
+        result.add_node(node, {"kvshm.dev/pool": "gpu"})
+    yield result
+    result.close()
+
+
+@pytest.fixture
+def api_agents(
+    api_cluster: Cluster, small_tmpfs: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[dict[str, Agent]]:
+    """A kvshm-agent process per node with the chart's agent ServiceAccount token."""
+    yield from _agents(api_cluster, small_tmpfs, tmp_path, request)
+
+
+@pytest.fixture
+def api_operator(
+    api_cluster: Cluster,
+    operator_kubeconfig: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> Iterator[OperatorProcess]:
+    """`python -m kvshm.operator` with the chart's operator ServiceAccount token."""
+    operator = OperatorProcess(
+        operator_kubeconfig, tmp_path, args=("--liveness", "none", "--log-level", "debug")
+    ).start()
+    yield operator
+    operator.kill()
+    failed = getattr(request.node, "rep_call", None)
+    if failed is not None and failed.failed:
+        print(f"----- operator -----\n{operator.output()[-8000:]}")

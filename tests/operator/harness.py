@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import subprocess
@@ -21,7 +22,6 @@ from kopf.testing import KopfRunner
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
 from kvshm.operator.config import ENV_PREFIX, OperatorConfig
 from kvshm.operator.main import register
-from tests.kube.runner import KubeApi
 from tests.waiting import wait_for
 
 NAMESPACE = "team"
@@ -35,7 +35,7 @@ TEST_CONFIG = OperatorConfig(
     region_resync_seconds=1.0,
     node_sweep_seconds=0.5,
     metrics_port=0,
-    watch_server_timeout_seconds=30.0,
+    watch_server_timeout_seconds=30,
     watch_client_timeout_seconds=40.0,
 )
 
@@ -53,12 +53,15 @@ def config_environment(config: OperatorConfig) -> dict[str, str]:
 
 
 class Cluster:
-    """Synchronous conveniences over the emulator, for test bodies."""
+    """Synchronous conveniences over an API server (the emulator or a real one), for test
+    bodies: regions are created in `namespace`; `client` is closed by close()."""
 
-    def __init__(self, api: KubeApi, kubeconfig: Path) -> None:
-        self.api = api
+    def __init__(
+        self, client: kubernetes.client.ApiClient, kubeconfig: Path, namespace: str = NAMESPACE
+    ) -> None:
         self.kubeconfig = kubeconfig
-        self.client = api.api_client()
+        self.namespace = namespace
+        self.client = client
         self.core = kubernetes.client.CoreV1Api(self.client)
         self.custom = kubernetes.client.CustomObjectsApi(self.client)
 
@@ -75,18 +78,18 @@ class Cluster:
         body = {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "OffloadRegion",
-            "metadata": {"name": name, "namespace": NAMESPACE},
+            "metadata": {"name": name, "namespace": self.namespace},
             "spec": {"layout": {"numBlocks": 16, "cpuPageSize": 65536}, **spec},
         }
         result: dict[str, Any] = self.custom.create_namespaced_custom_object(  # type: ignore[assignment]
-            GROUP, VERSION, NAMESPACE, REGION_PLURAL, body
+            GROUP, VERSION, self.namespace, REGION_PLURAL, body
         )
         return result
 
     def region(self, name: str) -> dict[str, Any] | None:
         try:
             result: dict[str, Any] = self.custom.get_namespaced_custom_object(  # type: ignore[assignment]
-                GROUP, VERSION, NAMESPACE, REGION_PLURAL, name
+                GROUP, VERSION, self.namespace, REGION_PLURAL, name
             )
         except kubernetes.client.ApiException as exc:
             if exc.status == 404:
@@ -98,7 +101,9 @@ class Cluster:
         return (self.region(name) or {}).get("status") or {}
 
     def delete_region(self, name: str) -> None:
-        self.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, REGION_PLURAL, name)
+        self.custom.delete_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, REGION_PLURAL, name
+        )
 
     def offload_node(self, name: str) -> dict[str, Any] | None:
         try:
@@ -114,7 +119,7 @@ class Cluster:
     def events(self, name: str) -> list[dict[str, Any]]:
         """Events about an object of this name, newest last, as (reason, message) dicts."""
         found = []
-        for namespace in (NAMESPACE, "default"):
+        for namespace in (self.namespace, "default"):
             for event in self.core.list_namespaced_event(namespace).items:
                 if event.involved_object.name == name:
                     found.append({"reason": event.reason, "message": event.message})
@@ -143,11 +148,18 @@ class Cluster:
 class Agent:
     """A real kvshm-agent process for one (fake) node, rooted on a real tmpfs directory."""
 
-    def __init__(self, node: str, root: Path, kubeconfig: Path, log_dir: Path) -> None:
+    def __init__(self, node: str, root: Path, kubeconfig: Path, log_dir: Path, *extra: str) -> None:
         self.node = node
+        self.extra = extra  # more kvshm-agent flags
         self.root = root
         self.kubeconfig = kubeconfig
-        self.log = log_dir / f"agent-{node}.log"
+        # a node name may be 253 characters, a file name at most 255 bytes
+        short = (
+            node
+            if len(node) <= 64
+            else f"{node[:48]}-{hashlib.sha256(node.encode()).hexdigest()[:12]}"
+        )
+        self.log = log_dir / f"agent-{short}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Agent:
@@ -161,6 +173,7 @@ class Agent:
             "--drain-grace-seconds", "2",
             "--no-http",
             "--log-level", "debug",
+            *self.extra,
         ]  # fmt: skip
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -37,6 +37,8 @@ def test_overrides_by_field_name() -> None:
         ("KVSHM_OPERATOR_AGENT_SILENCE_SECONDS", "-1", "must not be negative"),
         ("KVSHM_OPERATOR_MAX_WORKERS", "0", "at least 1"),
         ("KVSHM_OPERATOR_NODE_SWEEP_SECONDS", "0", "greater than 0"),
+        # the watch's timeoutSeconds: the API server refuses "300.0" (400 on every watch)
+        ("KVSHM_OPERATOR_WATCH_SERVER_TIMEOUT_SECONDS", "300.0", "an integer"),
     ],
 )
 def test_bad_values_name_the_variable_and_what_it_takes(

@@ -26,6 +26,12 @@ def test_some_nodes_working_is_provisioning() -> None:
     assert "b: Populating" in status.message
 
 
+def test_a_ready_report_that_names_no_generation_is_not_ready() -> None:
+    unsaid = {"a": NodeReport(NodeRegionPhase.READY)}
+    status = derive_status(region(node_names=["a"]), unsaid, cluster(["a"]))
+    assert status.phase is RegionPhase.PROVISIONING and status.ready_nodes == 0
+
+
 def test_every_target_ready_is_ready_with_true_condition() -> None:
     status = derive_status(TWO, reports(a="Ready", b="Ready"), cluster(["a", "b"]))
     assert status.phase is RegionPhase.READY
@@ -55,6 +61,30 @@ def test_a_silent_agent_degrades_a_ready_region_with_a_reason() -> None:
     degraded = status.condition(ConditionType.DEGRADED)
     assert degraded is not None and degraded.reason == "AgentSilent"
     assert "b" in degraded.message and "300s" in degraded.message
+
+
+def test_a_node_deleted_under_its_live_agent_degrades_and_still_counts() -> None:
+    view = cluster(["b"], [agent("a"), agent("b")])  # Node a deleted; its agent reports
+    for placed in (TWO, region()):  # by name, and on every node
+        status = derive_status(placed, reports(a="Ready", b="Ready"), view)
+        assert status.phase is RegionPhase.DEGRADED
+        assert (status.ready_nodes, status.target_nodes) == (2, ("a", "b"))
+        degraded = status.condition(ConditionType.DEGRADED)
+        assert degraded is not None and degraded.reason == "NodeDeleted"
+        assert "a was deleted" in degraded.message
+
+
+def test_many_problems_are_summarised_within_a_condition() -> None:
+    names = [f"node-{i:04d}-{'x' * 200}" for i in range(300)]
+    view = cluster(names)
+    failed = {name: f"Failed: {'no space left ' * 300}" for name in names}
+    status = derive_status(region(node_names=names), reports(**failed), view)
+    degraded = status.condition(ConditionType.DEGRADED)
+    assert degraded is not None and len(degraded.message) <= 32768
+    assert degraded.message.endswith("more problems")
+    assert "provisioning" not in status.message
+    patch = status_patch(None, status, NOW)
+    assert len(patch["message"]) <= 4096
 
 
 def test_a_node_without_agent_degrades_when_others_can_serve() -> None:

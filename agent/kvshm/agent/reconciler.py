@@ -98,6 +98,7 @@ class NodeReconciler:
         self._finished: dict[str, NodeReport] = {}  # key -> Removed report, while still known
         self._reported_ready: set[str] = set()
         self._events: list[AgentEvent] = []
+        self._given_up: list[OffloadRegion] = []  # failed, then unwanted: see _report_given_up
 
     # -- one pass --------------------------------------------------------------------------
 
@@ -109,6 +110,7 @@ class NodeReconciler:
         inventory = self._inventory.scan(lambda ns, n, iid: self._claimant(view, ns, n, iid))
         self._release_unwanted(view, desired)
         self._drain_leftovers(view, desired, inventory.files)
+        self._report_given_up(view)
         self._advance_drains()
         for key in sorted(desired):
             if key not in view.invalid:
@@ -205,6 +207,33 @@ class NodeReconciler:
                 reason = "region deleted" if known.deleting else "not placed on this node"
                 self._begin_drain(known.region, None, reason)
 
+    def _report_given_up(self, view: ClusterView) -> None:
+        """A failed region no longer wanted here (deleted, or placed elsewhere) whose file is
+        not on the node (the inventory found none to drain) is Removed: its last report,
+        Failed, would otherwise hold its deletion forever."""
+        for region in self._given_up:
+            key = region.key
+            if key in view.regions and (key, region.instance_id) not in self._drains:
+                self._remove_empty_dir(region)
+                self._finished[key] = NodeReport(
+                    NodeRegionPhase.REMOVED,
+                    message="nothing of the region is on this node",
+                    observed_generation=region.generation,
+                )
+        self._given_up = []
+
+    def _remove_empty_dir(self, region: OffloadRegion) -> None:
+        """The directory a failed attempt made, if nothing is in it (anything else stays)."""
+        try:
+            region_dir = self.root.open_region_dir(region.namespace, region.name)
+            if region_dir is None:
+                return
+            with region_dir:
+                if region_dir.remove_if_empty():
+                    self.root.remove_namespace_if_empty(region.namespace)
+        except (RegionError, OSError) as exc:
+            log.warning("kept the directory of failed region %s: %s", region.key, describe(exc))
+
     def _begin_drain(self, region: OffloadRegion, hosted: HostedRegion | None, why: str) -> None:
         self._drains[(region.key, region.instance_id)] = self._drainer.begin(region, hosted, why)
         self._failures.pop(region.key, None)
@@ -229,6 +258,7 @@ class NodeReconciler:
             self._finished[region.key] = NodeReport(
                 NodeRegionPhase.REMOVED,
                 message=step.message,
+                observed_generation=region.generation,
             )
             self._event(EventReason.DRAINED, region, step.message)
 
@@ -304,6 +334,8 @@ class NodeReconciler:
 
     def _open(self, region: OffloadRegion) -> None:
         """Create or adopt the region's file and start populating it."""
+        if not self._room_before_creating(region):
+            return
         try:
             region_dir = self.root.ensure_region_dir(region.namespace, region.name, region.access)
         except (RegionError, OSError) as exc:
@@ -336,6 +368,21 @@ class NodeReconciler:
             region,
             f"{verb} {hosted.path} ({format_bytes(region.size_bytes)})",
         )
+
+    def _room_before_creating(self, region: OffloadRegion) -> bool:
+        """A region with no directory yet is checked for room before anything is made: one
+        refused for capacity leaves nothing on the node (and so has nothing to remove)."""
+        try:
+            existing = self.root.open_region_dir(region.namespace, region.name)
+        except (RegionError, OSError):
+            return True  # opening it again below says what is wrong
+        if existing is not None:
+            existing.close()
+            return True  # an existing file may be adopted: checked once inspected
+        check = self._capacity(region.size_bytes)
+        if not check.fits:
+            self._fail(region, ErrorReason.CAPACITY, check.refusal(self.root.path))
+        return check.fits
 
     def _inspect(self, region: OffloadRegion, region_dir: RegionDir) -> tuple[bool, int]:
         """(adopt, bytes still to allocate) for the region's file; raises what forbids it."""
@@ -432,7 +479,7 @@ class NodeReconciler:
                 del self._finished[key]
         for key in list(self._failures):
             if key not in desired and key not in self._hosted:
-                del self._failures[key]
+                self._given_up.append(self._failures.pop(key).region)
 
     def _reports(
         self, view: ClusterView, desired: dict[str, OffloadRegion]
@@ -466,6 +513,7 @@ class NodeReconciler:
                 populate_seconds=status.populate_seconds,
                 holders=self._holds.flock_holders(hosted.file_id),
                 message=message,
+                observed_generation=hosted.region.generation,
             )
         return reports
 
@@ -477,6 +525,7 @@ class NodeReconciler:
             path=self._file_path(region),
             size_bytes=region.size_bytes,
             message=message,
+            observed_generation=region.generation,
         )
 
     def _file_path(self, region: OffloadRegion) -> str:

@@ -9,6 +9,7 @@ from enum import StrEnum
 from typing import Any
 
 from kvshm.api import NodeRegionPhase, ReclaimOutcome
+from kvshm.api.messages import MAX_STATUS_MESSAGE, bounded
 
 __all__ = ["ReclaimOutcome"]  # re-exported: reports carry it
 
@@ -30,6 +31,9 @@ class NodeReport:
     populate_seconds: float | None = None
     holders: int | None = None  # processes holding the file's shared flock, when known
     message: str = ""
+    # metadata.generation of the spec this report is about; the operator counts a Ready
+    # report only for the region's current generation
+    observed_generation: int = 0
 
     def to_status(self) -> dict[str, Any]:
         status: dict[str, Any] = {
@@ -38,12 +42,13 @@ class NodeReport:
             "sizeBytes": self.size_bytes,
             "populatedBytes": self.populated_bytes,
             "locked": self.locked,
-            "message": self.message,
+            "message": bounded(self.message, MAX_STATUS_MESSAGE),
             # null, not absent: a merge patch leaves absent keys as an earlier phase set them
             "populateSeconds": (
                 None if self.populate_seconds is None else round(self.populate_seconds, 3)
             ),
             "holders": self.holders,
+            "observedGeneration": self.observed_generation,
         }
         return status
 
@@ -120,7 +125,7 @@ class ReclaimResult:
         return {
             "path": self.path,
             "outcome": self.outcome.status_value,
-            "message": self.message,
+            "message": bounded(self.message, MAX_STATUS_MESSAGE),
             "time": format_timestamp(self.time),
         }
 

@@ -25,12 +25,19 @@ _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]
 MAX_DNS_SUBDOMAIN = 253
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 MAX_LABEL_VALUE = 63
+# A label key: an optional DNS prefix and '/', then a name like a label value (1-63 characters).
+_LABEL_KEY = re.compile(
+    r"([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+)
+MAX_LABEL_KEY = MAX_DNS_SUBDOMAIN + 1 + MAX_LABEL_VALUE
 
 # Bounds shared with charts/kvshm/crds/offloadregions.kvshm.dev.yaml (tests/api checks they agree).
 MAX_ID = 2**31 - 1
 MAX_NUM_WORKERS = 1024
 MAX_NODE_NAMES = 1000
 MAX_NODE_SELECTOR_LABELS = 64
+OWNER_READ_WRITE = 0o600  # the engine maps the file read-write as its owner
 
 
 class SpecError(ValueError):
@@ -216,6 +223,11 @@ def parse_offload_region(manifest: Mapping[str, Any]) -> OffloadRegion:
         check_file_mode(mode)
     except InvalidLayoutError as exc:
         raise SpecError(f"spec.access.mode: {exc}") from exc
+    if mode & OWNER_READ_WRITE != OWNER_READ_WRITE:
+        raise SpecError(
+            f"spec.access.mode {mode:#o} must let the owner read and write the file (0600): "
+            "the serving engine maps it read-write, e.g. 384 (0600) or 416 (0640)"
+        )
 
     policy = _field(spec, "reclaimPolicy", str, ReclaimPolicy.DELETE.value)
     try:
@@ -260,6 +272,13 @@ def _parse_placement(spec: Mapping[str, Any]) -> RegionPlacement:
             f"at most {MAX_NODE_SELECTOR_LABELS} are allowed"
         )
     for key, value in selector.items():
+        if not isinstance(key, str) or not _is_label_key(key):
+            raise SpecError(
+                f"spec.placement.nodeSelector keys must be label keys: {key!r} is not (an "
+                f"optional DNS prefix and '/', then 1-{MAX_LABEL_VALUE} letters, digits, '-', "
+                f"'_' or '.' starting and ending with a letter or digit; at most "
+                f"{MAX_LABEL_KEY} characters in all)"
+            )
         if not isinstance(value, str) or not _is_label_value(value):
             raise SpecError(
                 f"spec.placement.nodeSelector[{key}]: {value!r} is not a label value "
@@ -271,6 +290,10 @@ def _parse_placement(spec: Mapping[str, Any]) -> RegionPlacement:
 
 def _is_dns_subdomain(name: str) -> bool:
     return len(name) <= MAX_DNS_SUBDOMAIN and _DNS_SUBDOMAIN.fullmatch(name) is not None
+
+
+def _is_label_key(key: str) -> bool:
+    return len(key) <= MAX_LABEL_KEY and _LABEL_KEY.fullmatch(key) is not None
 
 
 def _is_label_value(value: str) -> bool:

@@ -43,6 +43,11 @@ class ClusterView:
     def node_exists(self, node: str) -> bool:
         return node in self.nodes
 
+    def node_known(self, node: str) -> bool:
+        """A Node of the cluster, or a live agent speaking for one whose Node was deleted (it
+        still holds and serves its regions: they degrade, they do not fail)."""
+        return self.node_exists(node) or self.agent_state(node) is AgentState.ALIVE
+
     def node_gone(self, node: str) -> bool:
         """The Node object is gone and nothing speaks for the node any more."""
         return not self.node_exists(node) and self.agent_state(node) is not AgentState.ALIVE

@@ -8,6 +8,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
+from kvshm.api.messages import MAX_CONDITION_MESSAGE, bounded
 from kvshm.operator.reports import format_timestamp
 
 
@@ -51,7 +52,7 @@ def merge_conditions(
             "type": condition.type.value,
             "status": condition.status_text,
             "reason": condition.reason,
-            "message": condition.message,
+            "message": bounded(condition.message, MAX_CONDITION_MESSAGE),
             "observedGeneration": generation,
             "lastTransitionTime": (
                 previous.get("lastTransitionTime", format_timestamp(now))

@@ -46,7 +46,9 @@ class OperatorConfig:
     # worker_idle_seconds after, so the bound and the idle time together cap the throughput.
     max_workers: int = 256
     worker_idle_seconds: float = 1.0
-    watch_server_timeout_seconds: float = 300.0
+    # An integer: kopf sends it as the watch's timeoutSeconds, which the API server parses as
+    # an int (300.0 is a 400 Bad Request for every watch, and the operator cannot start).
+    watch_server_timeout_seconds: int = 300
     watch_client_timeout_seconds: float = 330.0
     peering_name: str = "kvshm-operator"
     peering_mode: PeeringMode = PeeringMode.AUTO

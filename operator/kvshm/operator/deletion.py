@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvshm.api import ReclaimPolicy
+from kvshm.api.messages import summarize
 from kvshm.operator.cluster import AgentState, ClusterView
 from kvshm.operator.reports import NodeReport
 
@@ -49,13 +50,16 @@ class DeletionDecision:
     def summary(self) -> str:
         if self.retained:
             return (
-                f"reclaimPolicy Retain: the files stay on {', '.join(self.retained)}, "
+                f"reclaimPolicy Retain: the files stay on {summarize(self.retained)}, "
                 "unclaimed, until a region claims them again or they are reclaimed"
             )
         if self.waiting:
-            return f"waiting for {', '.join(self.waiting)} to remove the region's files"
+            return f"waiting for {summarize(self.waiting)} to remove the region's files"
         if self.abandoned:
-            return "; ".join(f"gave up on {item.node}: {item.message}" for item in self.abandoned)
+            first = self.abandoned[0]
+            more = len(self.abandoned) - 1
+            others = f" (and {more} more: {summarize([a.node for a in self.abandoned[1:]])})"
+            return f"gave up on {first.node}: {first.message}" + (others if more else "")
         return "every node removed the region's files"
 
 

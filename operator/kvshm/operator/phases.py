@@ -13,6 +13,13 @@ from datetime import datetime
 from typing import Any
 
 from kvshm.api import NodeRegionPhase, OffloadRegion, RegionPhase
+from kvshm.api.messages import (
+    MAX_CONDITION_MESSAGE,
+    MAX_STATUS_MESSAGE,
+    SHOWN,
+    bounded,
+    summarize,
+)
 from kvshm.operator.cluster import AgentState, ClusterView
 from kvshm.operator.conditions import Condition, ConditionType, merge_conditions
 from kvshm.operator.deletion import decide_release
@@ -75,9 +82,7 @@ def derive_status(
             problems.insert(0, (placement.reason.value, placement.message))
         phase, reason, message = _phase_of(placement, live, problems, region.generation)
         degraded = (
-            Condition(
-                ConditionType.DEGRADED, True, problems[0][0], "; ".join(m for _, m in problems)
-            )
+            Condition(ConditionType.DEGRADED, True, problems[0][0], _problems_message(problems))
             if problems
             else Condition(ConditionType.DEGRADED, False, "AsExpected", "no node reports a problem")
         )
@@ -122,7 +127,7 @@ def _phase_of(
     return (
         RegionPhase.PENDING,
         "Pending",
-        f"waiting for the agents on {', '.join(targets)} to start the region",
+        f"waiting for the agents on {summarize(targets)} to start the region",
     )
 
 
@@ -142,6 +147,7 @@ def _node_problems(
 ) -> list[tuple[str, str]]:
     """(reason, message) for every target node that cannot make progress, worst first."""
     failures = []
+    deleted = []
     silences = []
     for node in targets:
         report = reports.get(node)
@@ -150,15 +156,45 @@ def _node_problems(
             failures.append(("NodeFailed", f"failed on {node}: {detail}"))
         elif cluster.agent_state(node) is not AgentState.ALIVE:
             silences.append(("AgentSilent", cluster.silence_message(node)))
+        elif not cluster.node_exists(node):
+            deleted.append(node)
+    if deleted:
+        failures.append(
+            (
+                "NodeDeleted",
+                f"the Node object of {summarize(deleted)} was deleted while the kvshm agent "
+                "there still runs: the region is kept there until that agent stops or the node "
+                "registers again",
+            )
+        )
     return failures + silences
 
 
 def _progress_message(targets: tuple[str, ...], reports: Mapping[str, NodeReport]) -> str:
-    parts = []
+    """'provisioning (node-a: Ready, node-b: Creating)', or with many nodes, by phase:
+    'provisioning (Ready: 40 nodes: a, b, c and 37 more; not reported: d)'."""
+    by_phase: dict[str, list[str]] = {}
     for node in targets:
         phase = _phase(reports, node)
-        parts.append(f"{node}: {phase.value if phase else 'not reported'}")
-    return "provisioning (" + ", ".join(parts) + ")"
+        by_phase.setdefault(phase.value if phase else "not reported", []).append(node)
+    if len(targets) <= SHOWN:
+        per_node = {node: phase for phase, nodes in by_phase.items() for node in nodes}
+        parts = [f"{node}: {per_node[node]}" for node in targets]
+    else:
+        parts = [f"{phase}: {summarize(nodes)}" for phase, nodes in by_phase.items()]
+    return f"provisioning ({', '.join(parts) if len(targets) <= SHOWN else '; '.join(parts)})"
+
+
+def _problems_message(problems: list[tuple[str, str]]) -> str:
+    """Every problem while they fit a condition's message; then the first ones and a count."""
+    shown: list[str] = []
+    for index, (_, message) in enumerate(problems):
+        rest = len(problems) - index
+        if sum(map(len, shown)) + len(message) > MAX_CONDITION_MESSAGE // 2:
+            shown.append(f"and {rest} more problem{'s' if rest > 1 else ''}")
+            break
+        shown.append(message)
+    return bounded("; ".join(shown), MAX_CONDITION_MESSAGE)
 
 
 def status_patch(
@@ -173,7 +209,7 @@ def status_patch(
     wanted: dict[str, Any] = {
         "phase": derived.phase.value,
         "observedGeneration": derived.observed_generation,
-        "message": derived.message,
+        "message": bounded(derived.message, MAX_STATUS_MESSAGE),
         "nodesWanted": len(derived.target_nodes),
         "nodesReady": derived.ready_nodes,
         "conditions": merge_conditions(

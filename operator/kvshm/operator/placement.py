@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvshm.api import OffloadRegion
+from kvshm.api import OffloadRegion, RegionPlacement
+from kvshm.api.messages import summarize
 from kvshm.operator.cluster import AgentState, ClusterView
 
 
@@ -46,7 +47,7 @@ def place(region: OffloadRegion, cluster: ClusterView) -> Placement:
     wanted = region.placement
     if not wanted.node_names and not wanted.node_selector:
         # No placement: every node that runs an agent.
-        targets = tuple(sorted(name for name in cluster.agents if cluster.node_exists(name)))
+        targets = tuple(sorted(name for name in cluster.agents if cluster.node_known(name)))
         if not targets:
             return Placement(
                 Verdict.WAITING,
@@ -55,15 +56,16 @@ def place(region: OffloadRegion, cluster: ClusterView) -> Placement:
             )
         return _check_capacity(region, cluster, targets)
 
-    unknown = [name for name in wanted.node_names if not cluster.node_exists(name)]
-    targets = tuple(
-        sorted(name for name, labels in cluster.nodes.items() if wanted.matches(name, labels))
-    )
+    unknown = [name for name in wanted.node_names if not cluster.node_known(name)]
+    matching = {name for name, labels in cluster.nodes.items() if wanted.matches(name, labels)}
+    if not wanted.node_selector:  # a deleted Node's labels are unknown: only names can match
+        matching |= {name for name in wanted.node_names if cluster.node_known(name)}
+    targets = tuple(sorted(matching))
     if unknown:
         return Placement(
             Verdict.REJECTED,
             PlacementReason.UNKNOWN_NODE,
-            f"spec.placement.nodeNames lists {', '.join(unknown)}, which "
+            f"spec.placement.nodeNames lists {summarize(unknown)}, which "
             f"{'is not a Node' if len(unknown) == 1 else 'are not Nodes'} of this cluster: "
             "fix the names (kubectl get nodes) or remove them",
             targets,
@@ -73,7 +75,7 @@ def place(region: OffloadRegion, cluster: ClusterView) -> Placement:
             Verdict.REJECTED,
             PlacementReason.NO_MATCHING_NODE,
             f"spec.placement matches none of the cluster's {len(cluster.nodes)} nodes "
-            f"(nodeNames {list(wanted.node_names)}, nodeSelector {dict(wanted.node_selector)}): "
+            f"({_describe(wanted)}): "
             "label a node to match, or change the placement",
         )
     return _check_capacity(region, cluster, targets)
@@ -95,7 +97,7 @@ def _check_capacity(
         return Placement(
             Verdict.WAITING,
             PlacementReason.WAITING_FOR_AGENTS,
-            f"waiting for {', '.join(unmeasured)} to report the capacity of the region root: "
+            f"waiting for {summarize(unmeasured)} to report the capacity of the region root: "
             + _why_unmeasured(cluster, unmeasured[0]),
             targets,
         )
@@ -108,6 +110,16 @@ def _check_capacity(
         "or place it on nodes with more shared memory",
         targets,
     )
+
+
+def _describe(placement: RegionPlacement) -> str:
+    labels = [f"{key}={value}" for key, value in placement.node_selector.items()]
+    parts = []
+    if placement.node_names:
+        parts.append(f"nodeNames {summarize(placement.node_names, 'names')}")
+    if labels:
+        parts.append(f"nodeSelector {summarize(labels, 'labels')}")
+    return ", ".join(parts)
 
 
 def _why_unmeasured(cluster: ClusterView, node: str) -> str:

@@ -51,10 +51,9 @@ class NodeReport:
     observed_generation: int = 0  # the region generation the agent acted on; 0: not said
 
     def ready_for(self, generation: int) -> bool:
-        """Ready, and for this generation of the spec (a report of an older one is stale)."""
-        return self.phase is NodeRegionPhase.READY and (
-            not self.observed_generation or self.observed_generation >= generation
-        )
+        """Ready, and for this generation of the spec: a report of an older one (or one that
+        does not say) is stale, whatever it says."""
+        return self.phase is NodeRegionPhase.READY and self.observed_generation >= generation
 
     @property
     def holds_files(self) -> bool:

@@ -8,6 +8,7 @@ from kvshm.operator.config import OperatorConfig, PeeringMode
 
 FINALIZER = "kvshm.dev/operator"
 ANNOTATION_PREFIX = "kvshm.dev"
+DIFFBASE_FIELD = "status.kopf.lastHandledConfiguration"
 SYNC_THREADS = 4
 # kopf keeps a finalizer on every object with a timer and removes it once the timer has exited,
 # re-checking every cancellation_polling seconds (kopf's default: 60). The sweep timer deletes
@@ -19,13 +20,16 @@ TIMER_EXIT_POLL_SECONDS = 1.0
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     # One finalizer on a region, and it is ours: the agents never add any.
     settings.persistence.finalizer = FINALIZER
-    # Handler progress and the last-handled spec live in kvshm.dev/* annotations, not in status:
-    # status belongs to the schema (and to the agents' per-node reports), and must not be pruned.
+    # Handler progress (a few small records) lives in kvshm.dev/* annotations. The last-handled
+    # spec does not: a copy of a spec of up to ~300 KB cannot fit the 256 KiB that all of an
+    # object's annotations share (kopf then retries forever: no phase, no deletion). It is a
+    # string field of status the CRD declares (status.kopf.lastHandledConfiguration), holding
+    # the spec only: the update handlers watch nothing else.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=ANNOTATION_PREFIX
     )
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
+        field=DIFFBASE_FIELD, ignored_fields=["metadata"]
     )
     # One active replica: replicas peer cluster-wide under one name; the others pause.
     settings.peering.name = config.peering_name

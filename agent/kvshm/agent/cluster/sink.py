@@ -63,7 +63,9 @@ class ClusterSink:
         body = {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": NODE_KIND,
-            "metadata": {"name": self.node_name, "labels": {"kvshm.dev/node": self.node_name}},
+            # named after the node, no label: a node name (up to 253 characters) is no label
+            # value (at most 63), and the name alone selects it (fieldSelector metadata.name)
+            "metadata": {"name": self.node_name},
             "spec": {},
         }
         try:

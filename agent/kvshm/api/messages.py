@@ -1,0 +1,31 @@
+"""Messages for status and Events, bounded by what the CRDs admit.
+
+A status write with one string over its schema's maxLength is refused whole (422), so a region
+whose message grew with its spec (hundreds of node names of up to 253 characters) would never
+get a phase. Lists are summarised, and every message is cut to its field's bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# maxLength of OffloadRegion status.message and status.nodes.<node>.message (the CRD's)
+MAX_STATUS_MESSAGE = 4096
+# maxLength of a condition's message (metav1.Condition's)
+MAX_CONDITION_MESSAGE = 32768
+SHOWN = 3  # items a summary names
+ELLIPSIS = "…"
+
+
+def summarize(items: Sequence[str], noun: str = "nodes", shown: int = SHOWN) -> str:
+    """'a', 'a and b', 'a, b and c', or '30 nodes: a, b, c and 27 more'."""
+    if len(items) <= shown:
+        if len(items) <= 1:
+            return "".join(items)
+        return f"{', '.join(items[:-1])} and {items[-1]}"
+    return f"{len(items)} {noun}: {', '.join(items[:shown])} and {len(items) - shown} more"
+
+
+def bounded(text: str, limit: int = MAX_STATUS_MESSAGE) -> str:
+    """text, cut to at most `limit` characters (ending in '…' when cut)."""
+    return text if len(text) <= limit else text[: limit - len(ELLIPSIS)] + ELLIPSIS

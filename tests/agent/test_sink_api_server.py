@@ -1,0 +1,118 @@
+"""The agent's status sink against a real kube-apiserver, as the chart's agent ServiceAccount:
+what it writes is accepted (with names as long as Kubernetes allows), kept by the CRDs'
+pruning, and read back by the operator as written."""
+
+from __future__ import annotations
+
+import kubernetes
+import pytest
+
+from kvshm.agent.cluster.sink import ClusterSink
+from kvshm.agent.errors import ErrorReason
+from kvshm.agent.reports import AgentEvent, EventReason, NodeReport, PassResult
+from kvshm.api import GROUP, REGION_PLURAL, VERSION, NodeRegionPhase
+from kvshm.operator.reports import NodeReport as OperatorNodeReport
+from kvshm.operator.reports import parse_node_reports
+from tests.envtest.fixtures import ChartAccounts
+from tests.envtest.server import EnvTest
+from tests.kube import manifests
+
+# The longest names Kubernetes allows: a Node (and so an OffloadNode) and a region, each a DNS
+# subdomain of 253 characters.
+LONGEST_NODE = ".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61])
+LONGEST_REGION = ".".join(["r" * 63, "s" * 63, "t" * 63, "u" * 61])
+
+
+@pytest.fixture
+def agent_sink(envtest: EnvTest, chart_accounts: ChartAccounts) -> ClusterSink:
+    errors: list[ErrorReason] = []
+    sink = ClusterSink(
+        envtest.api_client(chart_accounts.token("agent")),
+        LONGEST_NODE,
+        "test",
+        count_error=errors.append,
+    )
+    sink.errors = errors  # type: ignore[attr-defined]
+    return sink
+
+
+def test_offload_node_of_a_253_character_node_is_created(agent_sink: ClusterSink) -> None:
+    assert agent_sink.ensure_node() == {}
+
+
+def test_events_about_253_character_names_are_created(
+    agent_sink: ClusterSink,
+    envtest_admin: kubernetes.client.ApiClient,
+    envtest_namespace: str,
+) -> None:
+    region = manifests.region(LONGEST_REGION, envtest_namespace, instanceId="r1")
+    created = kubernetes.client.CustomObjectsApi(envtest_admin).create_namespaced_custom_object(
+        GROUP, VERSION, envtest_namespace, REGION_PLURAL, region
+    )
+    agent_sink.publish(
+        PassResult(
+            events=[
+                AgentEvent(EventReason.RECLAIMED, "about the node"),
+                AgentEvent(
+                    EventReason.CREATED,
+                    "about the region",
+                    f"{envtest_namespace}/{LONGEST_REGION}",
+                    created["metadata"]["uid"],
+                ),
+            ]
+        )
+    )
+    assert agent_sink.errors == []  # type: ignore[attr-defined]
+    core = kubernetes.client.CoreV1Api(envtest_admin)
+    about_node = [
+        e for e in core.list_namespaced_event("default").items
+        if e.involved_object.name == LONGEST_NODE
+    ]  # fmt: skip
+    about_region = core.list_namespaced_event(envtest_namespace).items
+    assert [e.message for e in about_node] == ["about the node"]
+    assert [(e.involved_object.name, e.message) for e in about_region] == [
+        (LONGEST_REGION, "about the region")
+    ]
+
+
+def test_every_field_of_a_node_report_survives_the_crd_and_reads_back(
+    agent_sink: ClusterSink,
+    envtest_admin: kubernetes.client.ApiClient,
+    envtest_namespace: str,
+) -> None:
+    """The status contract: what the agent writes into status.nodes.<node> is kept by the
+    CRD's structural pruning, and is what the operator reads."""
+    custom = kubernetes.client.CustomObjectsApi(envtest_admin)
+    created = custom.create_namespaced_custom_object(
+        GROUP, VERSION, envtest_namespace, REGION_PLURAL, manifests.region("r1", envtest_namespace)
+    )
+    report = NodeReport(
+        NodeRegionPhase.READY,
+        path="/dev/shm/kvshm/ns/r1/vllm_offload_r1.mmap",
+        size_bytes=65536,
+        populated_bytes=65536,
+        locked=True,
+        populate_seconds=0.25,
+        holders=2,
+        message="ready",
+        observed_generation=created["metadata"]["generation"],
+    )
+    agent_sink.publish(PassResult(reports={f"{envtest_namespace}/r1": report}))
+    assert agent_sink.errors == []  # type: ignore[attr-defined]
+    stored = custom.get_namespaced_custom_object(
+        GROUP, VERSION, envtest_namespace, REGION_PLURAL, "r1"
+    )
+    entry = stored["status"]["nodes"][LONGEST_NODE]
+    sent = report.to_status()
+    assert {k: entry.get(k) for k in sent} == sent
+    assert set(entry) == {*sent, "lastTransitionTime"}
+    read = parse_node_reports(stored["status"])[LONGEST_NODE]
+    assert read == OperatorNodeReport(
+        phase=NodeRegionPhase.READY,
+        path=report.path,
+        populated_bytes=report.populated_bytes,
+        locked=True,
+        message="ready",
+        observed_generation=1,
+    )
+    assert read.ready_for(stored["metadata"]["generation"])
