@@ -163,7 +163,7 @@ class HostedRegion:
             self._on_done()
 
     def _open_shared(self) -> SharedOffloadRegion:
-        region, layout = self.region, self.region.layout
+        region = self.region
         if self.adopt:
             mode, populate = OpenMode.ATTACH, None if region.populate else False
         else:
@@ -174,11 +174,7 @@ class HostedRegion:
         try:
             return SharedOffloadRegion(
                 region.instance_id,
-                layout.size_bytes,
-                layout.num_blocks,
-                None,
-                layout.num_workers,
-                layout.cpu_page_size,
+                region.layout,
                 directory=self._fd_dir,
                 mode=mode,
                 file_mode=region.access.mode,
