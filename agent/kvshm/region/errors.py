@@ -53,6 +53,23 @@ class RegionFileMissingError(RegionSizeMismatchError):
         self.expected_bytes = expected_bytes
 
 
+class RegionExtraFileError(RegionSizeMismatchError):
+    """A file of the region's instance id that its layout does not name (made for another one)."""
+
+    def __init__(self, path: str, actual_bytes: int, file_count: int) -> None:
+        OSError.__init__(
+            self,
+            errno.EEXIST,
+            f"region file {path} ({actual_bytes} bytes) is not one of the {file_count} files the "
+            f"layout names: the files on disk were made for another layout; they were left "
+            f"untouched. Use a different instance id, or remove the old region's files once "
+            f"nothing uses them.",
+        )
+        self.path = path
+        self.actual_bytes = actual_bytes
+        self.expected_bytes = 0
+
+
 class RegionFileExistsError(RegionError, OSError):
     """A creator found a file already where one of its region's other files goes."""
 
