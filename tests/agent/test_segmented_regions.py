@@ -183,3 +183,18 @@ def test_a_region_removes_its_ids_leftovers_unless_they_are_held(shm_dir: Path) 
     result = settle(make_reconciler(root), view(segmented()))
     assert result.reports["ns1/seg"].phase is NodeRegionPhase.READY
     assert files(root) == [FILE_0, FILE_1]
+
+
+def test_capacity_counts_every_file_and_the_padding(small_tmpfs: Path) -> None:
+    root = small_tmpfs / "root"
+    result = settle(make_reconciler(root), view(segmented()))
+    refused = result.reports["ns1/seg"]
+    assert refused.phase is NodeRegionPhase.FAILED
+    assert "not enough room" in refused.message and f"({SIZE} bytes)" in refused.message
+    assert files(root) == []
+    # 100 rows of 3000 bytes x 2 workers are 100 padded rows of 8192 bytes, not 600000 bytes
+    padded = region("pad", blocks=100, page=3000, workers=2, populate=False)
+    assert padded.size_bytes == 100 * 8192
+    report = settle(make_reconciler(root), view(padded)).reports["ns1/pad"]
+    assert (report.phase, report.size_bytes, report.files) == (NodeRegionPhase.READY, 819200, 1)
+    assert (root / "ns1" / "pad" / "vllm_offload_pad.mmap").stat().st_size == 819200

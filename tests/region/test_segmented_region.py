@@ -182,3 +182,15 @@ def test_pieces_never_cross_a_file_and_alternate_between_files() -> None:
         (3 * MIB, MIB),
         (7 * MIB, 3 * MIB),
     ]
+
+
+def test_a_creator_populates_every_file_whole(shm_dir: Path) -> None:
+    done: list[int] = []
+    with open_region(shm_dir, populate=True, progress=done.append) as region:
+        assert region.populate_method is PopulateMethod.MADVISE
+        for file in region.files:
+            assert (shm_dir / file.name).stat().st_blocks * 512 == file.length
+        assert region.is_fully_allocated()
+        assert region.resident_bytes() == LAYOUT.size_bytes
+        assert max(done) == LAYOUT.size_bytes
+    assert names(shm_dir) == []

@@ -322,3 +322,20 @@ def test_pin_without_cuda_warns_and_goes_on(
         assert pin_mmap_region(region) is False
         assert not region.is_pinned
     assert "not pinned: no CUDA device" in caplog.text
+
+
+def test_replicated_views_of_every_rank_are_the_one_shared_copy(shm_dir: Path) -> None:
+    layout = RegionLayout(8, 3000, 4, replicated=True)  # rows padded to 4096 bytes
+    with SharedOffloadRegion("rep", layout, directory=str(shm_dir)) as creator:
+        views = []
+        for rank in range(4):
+            worker = SharedOffloadRegion("rep", layout, rank, directory=str(shm_dir))
+            views.append((worker, worker.create_next_view(3000)))
+            assert views[-1][1].storage_offset() == 0 and views[-1][1].stride() == (4096, 1)
+            with pytest.raises(InvalidLayoutError, match="overflows worker"):
+                worker.create_next_view(1)
+        views[3][1][5, 2999] = 7
+        assert all(int(view[5, 2999]) == 7 for _, view in views)
+        assert creator.create_kv_memoryview()[5, 2999] == 7
+        for worker, _ in views:
+            worker.cleanup()
