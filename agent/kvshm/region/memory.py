@@ -12,6 +12,7 @@ import os
 
 PAGE_SIZE = mmap.PAGESIZE
 MAP_FIXED = 0x10
+MAP_NORESERVE = 0x4000  # Linux; Python 3.11's mmap module does not name it
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module does not name it
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

@@ -260,7 +260,8 @@ class SharedOffloadRegion:
             self._mapping = mmap.mmap(self._fd, size, mmap.MAP_SHARED, prot)
             self.address = memory.mapping_address(self._mapping)
             return
-        self._mapping = mmap.mmap(-1, size, mmap.MAP_PRIVATE, prot)
+        # the reservation is replaced at once: MAP_NORESERVE keeps it out of the commit charge
+        self._mapping = mmap.mmap(-1, size, mmap.MAP_PRIVATE | memory.MAP_NORESERVE, prot)
         self.address = memory.mapping_address(self._mapping)
         for file, fd in zip(self.files, self._fds, strict=True):
             memory.map_file_at(self.address + file.offset, file.length, fd)
