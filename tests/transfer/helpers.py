@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvshm.region import RegionLayout, SharedOffloadRegion
+from kvshm.region import RegionFormat, RegionLayout, SharedOffloadRegion
 from kvshm.transfer import CanonicalKVCacheRef
 
 
@@ -22,7 +22,8 @@ def open_region(
 ) -> SharedOffloadRegion:
     return SharedOffloadRegion(
         instance_id or f"t-{uuid.uuid4().hex[:12]}",
-        RegionLayout(num_blocks, cpu_page_size, num_workers),
+        # unpadded: these tests' tiny cells keep rows of exactly the cells (no 4096-byte padding)
+        RegionLayout(num_blocks, cpu_page_size, num_workers, RegionFormat.UNPADDED),
         rank,
         directory=directory,
     )
