@@ -182,6 +182,13 @@ def test_pieces_never_cross_a_file_and_alternate_between_files() -> None:
         (3 * MIB, MIB),
         (7 * MIB, 3 * MIB),
     ]
+    # a worker that starts on file 1 (vLLM starts each worker on a different file)
+    assert interleave_by_file(pieces, files, first_file=1) == [
+        (4 * MIB, 3 * MIB),
+        (0, 3 * MIB),
+        (7 * MIB, 3 * MIB),
+        (3 * MIB, MIB),
+    ]
 
 
 def test_a_creator_populates_every_file_whole(shm_dir: Path) -> None:

@@ -87,16 +87,19 @@ class MappedFile:
 
 
 def interleave_by_file(
-    pieces: Sequence[tuple[int, int]], files: Sequence[MappedFile]
+    pieces: Sequence[tuple[int, int]], files: Sequence[MappedFile], first_file: int = 0
 ) -> list[tuple[int, int]]:
-    """Reorder pieces round-robin over the files they fall in. Page-cache inserts serialise per
-    file, so with at least as many files as threads each thread then works in a file of its own."""
+    """Reorder pieces round-robin over the files they fall in, starting with first_file.
+    Page-cache inserts serialise per file, so with at least as many files as threads each thread
+    then works in a file of its own; workers populating their cells at once start on different
+    files."""
     starts = [file.offset for file in files]
     per_file: list[list[tuple[int, int]]] = [[] for _ in files]
     for piece in pieces:
         per_file[max(0, bisect.bisect_right(starts, piece[0]) - 1)].append(piece)
+    start = first_file % len(per_file) if per_file else 0
     ordered: list[tuple[int, int]] = []
-    for round_ in itertools.zip_longest(*per_file):
+    for round_ in itertools.zip_longest(*per_file[start:], *per_file[:start]):
         ordered.extend(piece for piece in round_ if piece is not None)
     return ordered
 
@@ -114,8 +117,10 @@ class Populator:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         method: PopulateMethod = PopulateMethod.MADVISE,
         progress: ProgressCallback | None = None,
+        first_file: int = 0,
     ) -> None:
         self._address = address
+        self._first_file = first_file
         self._files = sorted(files, key=lambda file: file.offset)
         self._starts = [file.offset for file in self._files]
         self._threads = threads or default_threads()
@@ -131,7 +136,7 @@ class Populator:
         Raises PopulateOutOfSpace when the filesystem or memory limits cannot hold the pages.
         """
         pieces = interleave_by_file(
-            split_ranges(ranges, self._chunk_bytes, self._starts[1:]), self._files
+            split_ranges(ranges, self._chunk_bytes, self._starts[1:]), self._files, self._first_file
         )
         if self.method is PopulateMethod.MADVISE:
             try:

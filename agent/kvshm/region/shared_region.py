@@ -309,6 +309,10 @@ class SharedOffloadRegion:
             threads=self._populate_threads,
             method=self._populate_method,
             progress=self._progress,
+            # as vLLM does: each worker starts on a different file
+            first_file=0
+            if self.rank is None
+            else self.rank * len(self.files) // self.layout.num_workers,
         )
         started = time.monotonic()
         try:
