@@ -62,8 +62,9 @@ def test_every_file_is_created_with_its_size_owner_and_mode_and_reported(shm_dir
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1234, 5678, 0o640)
         with open(root / "ns1" / "seg" / name, "rb") as probe:  # the agent holds no flock
             fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    assert result.inventory is not None
-    [entry] = result.inventory.files
+    inventory = make_reconciler(root).reconcile(view(r)).inventory  # scanned as a pass starts
+    assert inventory is not None
+    [entry] = inventory.files
     assert (entry.path, entry.size_bytes, entry.files) == (PATH, SIZE, 2)
     assert entry.claimed_by == "ns1/seg" and entry.to_status()["fileCount"] == 2
 
@@ -74,8 +75,10 @@ def test_a_restart_adopts_every_file_without_recreating_any(shm_dir: Path) -> No
     before = inodes(root)
     (root / "ns1" / "seg" / FILE_1).write_bytes(b"kv")  # data in file 1 must survive
     os.truncate(root / "ns1" / "seg" / FILE_1, 4 * ROW)
-    result = settle(make_reconciler(root), view(segmented()))
-    assert EventReason.ADOPTED in [e.reason for e in result.events]
+    reconciler = make_reconciler(root)
+    first = reconciler.reconcile(view(segmented()))
+    assert [e.reason for e in first.events][:1] == [EventReason.ADOPTED]
+    result = settle(reconciler, view(segmented()))
     assert result.reports["ns1/seg"].phase is NodeRegionPhase.READY
     assert inodes(root) == before
     assert (root / "ns1" / "seg" / FILE_1).read_bytes()[:2] == b"kv"
