@@ -444,7 +444,7 @@ class SharedOffloadRegion:
         return self.is_creator if unlink is None else unlink and self.is_creator
 
     def cleanup(self) -> None:
-        """Release everything this process holds; the creator also removes the file. Idempotent."""
+        """Release everything this process holds; the creator also removes its files. Idempotent."""
         if self._cleaned:
             return
         self._cleaned = True
