@@ -195,6 +195,7 @@ def test_capacity_counts_every_file_and_the_padding(small_tmpfs: Path) -> None:
     assert refused.phase is NodeRegionPhase.FAILED
     assert "not enough room" in refused.message and f"({SIZE} bytes)" in refused.message
     assert files(root) == []
+    assert not (root / "ns1").exists()  # refused for capacity: not even its directory is made
     # 100 rows of 3000 bytes x 2 workers are 100 padded rows of 8192 bytes, not 600000 bytes
     padded = region("pad", blocks=100, page=3000, workers=2, populate=False)
     assert padded.size_bytes == 100 * 8192
