@@ -36,6 +36,13 @@ def tenant_manifest(name: str, namespace: str = "tenant", **spec: Any) -> dict[s
     return manifest(name, namespace, access=access, **spec)
 
 
+def traversable(directory: Path) -> Path:
+    """Let the tenant pass through a test's private temporary directory to what lies below (as
+    a node's /dev/shm lets pods reach their mounted region directory)."""
+    directory.chmod(0o711)
+    return directory
+
+
 def write_regions(directory: Path, name: str, *documents: dict[str, Any]) -> None:
     (directory / name).write_text(yaml.safe_dump_all(documents))
 
