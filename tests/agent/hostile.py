@@ -89,13 +89,22 @@ def _limits(nofile: int | None) -> Callable[[], None] | None:
 class RunningAgent:
     """`kvshm-agent --local REGIONS --root ROOT` running as its own process."""
 
-    def __init__(self, regions: Path, root: Path, *extra: str, nofile: int | None = None) -> None:
+    def __init__(
+        self,
+        regions: Path,
+        root: Path,
+        *extra: str,
+        nofile: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.process = subprocess.Popen(
             local_agent(regions, root, *extra),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            errors="surrogateescape",  # whatever bytes it prints, the test sees them
             cwd=REPO,
+            env={**os.environ, **(env or {})},
             preexec_fn=_limits(nofile),
         )
         self.lines: list[str] = []

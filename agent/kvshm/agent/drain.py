@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from kvshm.agent.errors import describe
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion
+from kvshm.agent.printable import printable
 from kvshm.agent.saferoot import RegionDir, RegionRoot
 from kvshm.api import OffloadRegion, ReclaimPolicy
 from kvshm.region import UnsafePathError
@@ -191,10 +192,10 @@ class Drainer:
             message = f"removed {region_dir.path}"
         else:
             others = region_dir.entries()
+            named = ", ".join(map(printable, others[:5])) + (", ..." if len(others) > 5 else "")
             message = (
                 f"removed the region's files; {region_dir.path} still holds files the agent "
-                f"did not make ({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}) "
-                f"and was left in place"
+                f"did not make ({named}) and was left in place"
             )
         if outcome is DrainOutcome.GRACE_EXPIRED:
             message += "; the grace period ended while a process still held the file"

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvshm.agent.errors import describe
+from kvshm.agent.printable import printable
 from kvshm.api import RegionAccess
 from kvshm.region import UnsafePathError, instance_id_from_file_name
 from kvshm.region.safefile import describe_file_type
@@ -271,7 +272,7 @@ class RegionRoot:
 
         Entries that cannot be region directories are passed to `problem` and skipped."""
         for namespace in sorted(os.listdir(self.fd)):
-            ns_path = os.path.join(self.path, namespace)
+            ns_path = os.path.join(self.path, printable(namespace))  # names are anyone's
             if not is_namespace(namespace):
                 problem(f"{ns_path}: not a namespace directory name; ignored")
                 continue
@@ -297,7 +298,7 @@ class RegionRoot:
         self, namespace: str, ns_fd: int, problem: ProblemCallback
     ) -> Iterator[RegionDir]:
         for name in sorted(os.listdir(ns_fd)):
-            path = os.path.join(self.path, namespace, name)
+            path = os.path.join(self.path, namespace, printable(name))
             if not is_region_name(name):
                 problem(f"{path}: not a region directory name; ignored")
                 continue
