@@ -102,9 +102,17 @@ class IsolatedEventQueues:
         return self._process.pid if self._process is not None else None
 
     def prepare(self, region_dir: RegionDir, region: OffloadRegion) -> None:
+        """Make (or resume) the region's ring; again for an open region whose spec.access
+        changed, so the ring gets the new owner and mode."""
         key = region_dir.key
         with self._lock:
-            if key in self._broken or key in self._open:
+            if key in self._broken:
+                return
+            entry = self._open.get(key)
+            if entry is not None:
+                if entry[1].access != region.access:
+                    self._call("prepare", key, region_dir.fd, region)
+                    self._open[key] = (entry[0], region)
                 return
             self._call("prepare", key, region_dir.fd, region)
             self._open[key] = (os.dup(region_dir.fd), region)

@@ -297,7 +297,8 @@ class NodeReconciler:
     def _apply_access(self, hosted: HostedRegion) -> None:
         region = hosted.region
         try:
-            self.root.ensure_region_dir(region.namespace, region.name, region.access).close()
+            with self.root.ensure_region_dir(region.namespace, region.name, region.access) as d:
+                self._notifier.prepare(d, region)  # the event ring's owner and mode too
             hosted.set_access()
         except (RegionError, OSError) as exc:
             self._fail(region, classify(exc), f"could not apply spec.access: {describe(exc)}")
