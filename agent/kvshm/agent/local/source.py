@@ -24,6 +24,8 @@ import yaml
 
 from kvshm.agent.view import ClusterView, KnownRegion
 from kvshm.api import REGION_KIND, SpecError, parse_offload_region
+from kvshm.region import safefile
+from kvshm.region.safefile import describe_file_type
 
 _SUFFIXES = (".yaml", ".yml")
 MAX_FILE_BYTES = 1 << 20  # a thousand regions' manifests; anything larger is refused unread
@@ -72,14 +74,17 @@ class _NoAliasLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+def _check_regular(st: os.stat_result, path: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EINVAL, f"not a regular file but {describe_file_type(st.st_mode)}")
+
+
 def read_bounded(path: str) -> str:
-    """The file's text, if it is a regular file of at most MAX_FILE_BYTES (never blocking on a
-    FIFO, never following a symlink planted at the name)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """The file's text, if it is (or links to) a regular file of at most MAX_FILE_BYTES: a FIFO
+    or device is never opened. Symlinks are followed: the directory is the operator's own, and
+    a ConfigMap mounted there is made of them."""
+    fd = safefile.open_checked(path, os.O_RDONLY, path, check=_check_regular, follow_symlinks=True)
     with os.fdopen(fd, "rb") as stream:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
         data = stream.read(MAX_FILE_BYTES + 1)
     if len(data) > MAX_FILE_BYTES:
         raise OSError(
