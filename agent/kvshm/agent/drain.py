@@ -11,7 +11,9 @@ with its last holder until that process exits.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,9 +25,11 @@ from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion
 from kvshm.agent.printable import printable
 from kvshm.agent.saferoot import RegionDir, RegionRoot
+from kvshm.agent.sizes import format_bytes
 from kvshm.api import OffloadRegion, ReclaimPolicy
 from kvshm.region import UnsafePathError
 from kvshm.region.naming import region_file_name
+from kvshm.region.safefile import check_regular
 
 
 @dataclass(frozen=True)
@@ -155,9 +159,12 @@ class Drainer:
         expired = self._clock() >= drain.deadline_monotonic
         leftovers: list[str] = []
         outcome = DrainOutcome.GONE
+        note = ""  # what the region's removal could not free
+        linked = _extra_links(region_dir, file_name, drain.file_id)
+        check = _own_file_check(drain.file_id) if linked else check_regular
         try:
             with self._holds.exclusive(
-                region_dir.fd, file_name, region_dir.file_path(file_name)
+                region_dir.fd, file_name, region_dir.file_path(file_name), check
             ) as fd:
                 if fd is None and not expired:
                     left = max(0.0, drain.deadline_monotonic - self._clock())
@@ -169,10 +176,12 @@ class Drainer:
                 outcome = DrainOutcome.RELEASED if fd is not None else DrainOutcome.GRACE_EXPIRED
                 # unlinked while the exclusive lock (if any) keeps new attachers out
                 problem = region_dir.unlink_regular(
-                    file_name, os.fstat(fd) if fd is not None else None
+                    file_name, os.fstat(fd) if fd is not None else None, linked_ok=bool(linked)
                 )
                 if problem:
                     leftovers.append(problem)
+                elif linked:
+                    note = _still_linked(region_dir, linked)
         except FileNotFoundError:
             pass
         except UnsafePathError as exc:
@@ -182,10 +191,10 @@ class Drainer:
             problem = region_dir.unlink_regular(name)
             if problem:
                 leftovers.append(problem)
-        return self._finish(region_dir, outcome, leftovers)
+        return self._finish(region_dir, outcome, leftovers, note)
 
     def _finish(
-        self, region_dir: RegionDir, outcome: DrainOutcome, leftovers: list[str]
+        self, region_dir: RegionDir, outcome: DrainOutcome, leftovers: list[str], note: str = ""
     ) -> DrainStep:
         if region_dir.remove_if_empty():
             self._root.remove_namespace_if_empty(region_dir.namespace)
@@ -199,6 +208,45 @@ class Drainer:
             )
         if outcome is DrainOutcome.GRACE_EXPIRED:
             message += "; the grace period ended while a process still held the file"
+        if note:
+            message += "; " + note
         if leftovers:
             message += "; not removed: " + "; ".join(leftovers)
         return DrainStep(outcome, message, leftovers)
+
+
+def _extra_links(
+    region_dir: RegionDir, file_name: str, own: tuple[int, int] | None
+) -> os.stat_result | None:
+    """The region file's status if it is the agent's own file (the inode it held) and someone
+    gave it more names: hard links keep its memory after the region's name is removed."""
+    st = region_dir.lstat(file_name)
+    if st is None or own is None or not stat.S_ISREG(st.st_mode) or st.st_nlink < 2:
+        return None
+    return st if (st.st_dev, st.st_ino) == own else None
+
+
+def _own_file_check(own: tuple[int, int] | None) -> Callable[[os.stat_result, str], None]:
+    """Accept the agent's own file whatever its link count (removing a name of it is safe);
+    refuse any other inode, and anything not regular."""
+
+    def check(st: os.stat_result, path: str) -> None:
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != own:
+            raise UnsafePathError(errno.EAGAIN, f"{path} was replaced meanwhile; left in place")
+
+    return check
+
+
+def _still_linked(region_dir: RegionDir, st: os.stat_result) -> str:
+    """What the extra hard links keep: the message the operator acts on."""
+    names = region_dir.names_of((st.st_dev, st.st_ino))
+    elsewhere = st.st_nlink - 1 - len(names)
+    where = ", ".join(printable(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+    parts = [f"{len(names)} in {region_dir.path} ({where})"] if names else []
+    if elsewhere > 0:
+        parts.append(f"{elsewhere} elsewhere on the filesystem")
+    return (
+        f"the region file had {st.st_nlink - 1} more hard link(s) ({'; '.join(parts)}), which "
+        f"keep {format_bytes(st.st_blocks * 512)} allocated after its removal: remove them "
+        f"(find the rest with find {region_dir.path.rsplit('/', 2)[0]} -inum {st.st_ino})"
+    )

@@ -135,6 +135,21 @@ class RegionDir:
     def entries(self) -> list[str]:
         return sorted(os.listdir(self.fd))
 
+    def names_of(self, file_id: tuple[int, int], limit: int = 10_000) -> list[str]:
+        """Names in this directory (among its first `limit` entries) of the inode `file_id`."""
+        found = []
+        with os.scandir(self.fd) as entries:
+            for index, entry in enumerate(entries):
+                if index >= limit:
+                    break
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if (st.st_dev, st.st_ino) == file_id:
+                    found.append(entry.name)
+        return sorted(found)
+
     def region_files(self) -> list[tuple[str, str]]:
         """(file name, instance id) of every region-shaped name in the directory."""
         found = []
@@ -144,13 +159,16 @@ class RegionDir:
                 found.append((file_name, instance_id))
         return found
 
-    def unlink_regular(self, file_name: str, expected: os.stat_result | None = None) -> str | None:
-        """Remove `file_name` if it is a regular file with one link (and, given `expected`, still
-        that file); else leave it and say why."""
+    def unlink_regular(
+        self, file_name: str, expected: os.stat_result | None = None, *, linked_ok: bool = False
+    ) -> str | None:
+        """Remove `file_name` if it is a regular file with one link (any number with linked_ok,
+        for a file the caller knows is its own: unlinking removes only this name) and, given
+        `expected`, still that file; else leave it and say why."""
         st = self.lstat(file_name)
         if st is None:
             return None
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        if not stat.S_ISREG(st.st_mode) or (st.st_nlink != 1 and not linked_ok):
             links = f" with {st.st_nlink} links" if stat.S_ISREG(st.st_mode) else ""
             return f"{self.file_path(file_name)} is {describe_file_type(st.st_mode)}{links}"
         if expected is not None and (st.st_dev, st.st_ino) != (expected.st_dev, expected.st_ino):
