@@ -200,7 +200,7 @@ class Drainer:
             self._root.remove_namespace_if_empty(region_dir.namespace)
             message = f"removed {region_dir.path}"
         else:
-            others = region_dir.entries()
+            others = region_dir.entries(limit=6)
             named = ", ".join(map(printable, others[:5])) + (", ..." if len(others) > 5 else "")
             message = (
                 f"removed the region's files; {region_dir.path} still holds files the agent "

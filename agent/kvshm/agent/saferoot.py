@@ -28,6 +28,12 @@ from kvshm.region.safefile import describe_file_type
 # cannot enumerate the other tenants' regions.
 SHARED_DIR_MODE = 0o711
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# A tenant can fill its directory with region-shaped names (10,001 empty files froze a node's
+# status: the OffloadNode patch outgrew the API server's request limit). Per directory and pass,
+# at most this many entries are read and this many region-shaped files listed; the excess is
+# summarised in one problem line. A region has at most 32 files.
+MAX_DIR_ENTRIES = 4096
+MAX_REGION_FILES = 64
 # Kubernetes names: a namespace is a DNS label, an object name a DNS subdomain. Neither can be
 # empty, '.', '..' or contain '/'; that is what makes them safe directory names.
 _NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -113,6 +119,7 @@ class RegionDir:
     path: str
     fd: int
     namespace_fd: int
+    problem: ProblemCallback | None = None  # where a walk's directories report their excess
 
     @property
     def key(self) -> str:
@@ -132,8 +139,11 @@ class RegionDir:
         except FileNotFoundError:
             return None
 
-    def entries(self) -> list[str]:
-        return sorted(os.listdir(self.fd))
+    def entries(self, limit: int = MAX_DIR_ENTRIES) -> list[str]:
+        """Names in the directory, sorted: at most `limit` of them (a tenant's directory can
+        hold any number)."""
+        with os.scandir(self.fd) as found:
+            return sorted(entry.name for entry, _ in zip(found, range(limit), strict=False))
 
     def names_of(self, file_id: tuple[int, int], limit: int = 10_000) -> list[str]:
         """Names in this directory (among its first `limit` entries) of the inode `file_id`."""
@@ -151,13 +161,38 @@ class RegionDir:
         return sorted(found)
 
     def region_files(self) -> list[tuple[str, str]]:
-        """(file name, instance id) of every region-shaped name in the directory."""
-        found = []
-        for file_name in self.entries():
-            instance_id = instance_id_from_file_name(file_name)
-            if instance_id is not None:
-                found.append((file_name, instance_id))
-        return found
+        """(file name, instance id) of the region-shaped names in the directory, sorted: at most
+        MAX_REGION_FILES of them among its first MAX_DIR_ENTRIES entries (the rest is told to
+        `problem`, in one line), so a tenant's directory costs a bounded pass and status."""
+        found: list[tuple[str, str]] = []
+        unlisted = read = 0
+        with os.scandir(self.fd) as entries:
+            for entry in entries:
+                if read == MAX_DIR_ENTRIES:
+                    break
+                read += 1
+                instance_id = instance_id_from_file_name(entry.name)
+                if instance_id is None:
+                    continue
+                if len(found) < MAX_REGION_FILES:
+                    found.append((entry.name, instance_id))
+                else:
+                    unlisted += 1
+            more_entries = read == MAX_DIR_ENTRIES and next(entries, None) is not None
+        if (unlisted or more_entries) and self.problem is not None:
+            self.problem(self._excess(unlisted, more_entries))
+        return sorted(found)
+
+    def _excess(self, unlisted: int, more_entries: bool) -> str:
+        parts = [f"{MAX_REGION_FILES} region-shaped files listed"]
+        if unlisted:
+            parts.append(f"and {unlisted} more not listed")
+        if more_entries:
+            parts.append(f"entries beyond the first {MAX_DIR_ENTRIES} not looked at")
+        return (
+            f"{self.path} holds too many files ({', '.join(parts)}); a region has at most 32: "
+            f"remove what is not a region's file"
+        )
 
     def unlink_regular(
         self, file_name: str, expected: os.stat_result | None = None, *, linked_ok: bool = False
@@ -332,7 +367,7 @@ class RegionRoot:
                 )
                 continue
             # the namespace descriptor belongs to walk(); the RegionDir gets its own copy
-            region_dir = RegionDir(namespace, name, path, fd, os.dup(ns_fd))
+            region_dir = RegionDir(namespace, name, path, fd, os.dup(ns_fd), problem)
             try:
                 yield region_dir
             finally:
