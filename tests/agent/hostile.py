@@ -96,6 +96,7 @@ class RunningAgent:
         *extra: str,
         nofile: int | None = None,
         env: dict[str, str] | None = None,
+        preexec: Callable[[], None] | None = None,
     ) -> None:
         self.process = subprocess.Popen(
             local_agent(regions, root, *extra),
@@ -105,7 +106,7 @@ class RunningAgent:
             errors="surrogateescape",  # whatever bytes it prints, the test sees them
             cwd=REPO,
             env={**os.environ, **(env or {})},
-            preexec_fn=_limits(nofile),
+            preexec_fn=preexec or _limits(nofile),
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from kvshm.agent.app import AgentStartError, build_app
+from kvshm.agent.descriptors import raise_soft_limit
 from kvshm.agent.printable import PrintableFormatter
 from kvshm.agent.sizes import parse_bytes
 
@@ -126,6 +127,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    old_limit, limit = raise_soft_limit()  # before the event writer is spawned: it inherits it
+    if limit != old_limit:
+        log.info("raised the soft file descriptor limit from %d to %d", old_limit, limit)
     try:
         app = build_app(args)
     except AgentStartError as exc:

@@ -33,6 +33,7 @@ from kvshm.api import OffloadRegion
 log = logging.getLogger(__name__)
 
 REPLY_TIMEOUT_SECONDS = 10.0  # prepare and publish each wait at most about a second inside
+JOIN_SERVICE_SECONDS = 0.5  # how soon a worker's join is accepted when no event is being sent
 
 
 class _ReceivedDirectory:
@@ -59,6 +60,10 @@ def serve(conn: Connection) -> None:
     queues = RegionEventQueues()
     while True:
         try:
+            if not conn.poll(JOIN_SERVICE_SECONDS):
+                # accept workers' joins between events, so their wait_until_ready returns
+                queues.serve_joins()
+                continue
             command, key, payload = conn.recv()
         except EOFError:
             # The agent stopped. Leave without running finalizers: they would remove the rings

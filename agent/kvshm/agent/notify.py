@@ -185,6 +185,19 @@ class RegionEventQueues:
         except (IpcError, OSError, ValueError) as exc:
             log.warning("region %s: drain event not delivered (%s)", key, exc)
 
+    def serve_joins(self) -> None:
+        """Accept pending joins and leaves on every ring (it writes to each ring, so only to
+        one still at full size: a truncated mapping would fault)."""
+        for key, ring in list(self._rings.items()):
+            try:
+                if ring.file.stat().st_size < ring.layout.total_bytes:
+                    self._forget(key)
+                    log.warning("region %s: its event ring was truncated; no more events", key)
+                    continue
+                self._queues[key].joined_readers()
+            except (IpcError, OSError) as exc:
+                log.warning("region %s: serving joins on its event ring: %s", key, exc)
+
     def _forget(self, key: str) -> MessageQueue | None:
         self._files.pop(key, None)
         self._rings.pop(key, None)

@@ -19,6 +19,7 @@ from datetime import datetime
 
 from kvshm.agent.capacity import CapacityCheck
 from kvshm.agent.counters import Counters, NoCounters
+from kvshm.agent.descriptors import DescriptorBudget
 from kvshm.agent.drain import Drain, Drainer, DrainNotifier, DrainOutcome
 from kvshm.agent.errors import ErrorReason, classify, describe
 from kvshm.agent.holders import HoldChecker
@@ -89,6 +90,7 @@ class NodeReconciler:
         self._clock = clock
         self._notifier = notifier
         self._populate_slots = threading.Semaphore(max(1, settings.hosting.parallel_regions))
+        self._descriptors = DescriptorBudget()
         self._drainer = Drainer(root, self._holds, notifier, settings.drain_grace_seconds, clock)
         self._inventory = InventoryScanner(root, self._holds, settings.reserve_bytes)
         self._reclaims = ReclaimBook(Reclaimer(root, self._holds), self._counters)
@@ -270,7 +272,7 @@ class NodeReconciler:
             self._event(
                 EventReason.FAILED,
                 region,
-                f"{hosted.path} was removed or replaced by someone else; opening it again",
+                f"{hosted.path} was removed, replaced or resized by someone else; opening it again",
             )
             return False
         self._failures.pop(region.key, None)
@@ -292,7 +294,12 @@ class NodeReconciler:
                 st = region_dir.lstat(hosted.file_name)
         except OSError:  # unsafe now, or unreadable: opened again, which says why
             return False
-        return st is not None and (st.st_dev, st.st_ino) == hosted.file_id
+        # a file truncated (or grown) under the agent is no longer the Ready region it held
+        return (
+            st is not None
+            and (st.st_dev, st.st_ino) == hosted.file_id
+            and st.st_size == hosted.region.size_bytes
+        )
 
     def _apply_access(self, hosted: HostedRegion) -> None:
         region = hosted.region
@@ -305,6 +312,10 @@ class NodeReconciler:
 
     def _open(self, region: OffloadRegion) -> None:
         """Create or adopt the region's file and start populating it."""
+        refusal = self._descriptors.refusal()
+        if refusal is not None:  # degrade: refuse this region, keep every pass running
+            self._fail(region, ErrorReason.DESCRIPTORS, refusal)
+            return
         try:
             region_dir = self.root.ensure_region_dir(region.namespace, region.name, region.access)
         except (RegionError, OSError) as exc:
