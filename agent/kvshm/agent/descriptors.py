@@ -4,7 +4,7 @@ Each hosted region keeps a few descriptors open in the agent (its file, its dire
 event writer) and as many in the event-writer child. At the limit, every pass failed (it opens
 directories and probes files) and nothing recovered: no region ever reported Ready. So the
 agent raises its soft RLIMIT_NOFILE to the hard limit at start, and admits a new region only
-while the descriptors it would take leave RESERVE free for the passes, the HTTP endpoint (at
+while the descriptors it would take leave RESERVE (or a quarter of the limit, if less) free for the passes, the HTTP endpoint (at
 most 64 connections) and populating; a region refused for lack of descriptors is Failed with
 reason `descriptors` (an Event, `errors_total{reason="descriptors"}`) and retried every pass.
 """
@@ -54,12 +54,13 @@ class DescriptorBudget:
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if limit == resource.RLIM_INFINITY:
             return None
+        reserve = min(self.reserve, limit // 4)  # a small limit still hosts some regions
         used = open_descriptors()
-        if used + self.per_region + self.reserve <= limit:
+        if used + self.per_region + reserve <= limit:
             return None
         return (
             f"not enough file descriptors: the agent has {used} open of its limit of {limit} "
-            f"and keeps {self.reserve} free for its passes and endpoint, and a region takes "
+            f"and keeps {reserve} free for its passes and endpoint, and a region takes "
             f"about {self.per_region}; retried every pass. Raise the agent's RLIMIT_NOFILE "
             f"(hard limit: the agent raises its soft limit to it at start), or host fewer "
             f"regions on this node"
