@@ -22,7 +22,9 @@ lines = ['a0: &a0 ["x","x","x","x","x","x","x","x","x","x"]']
 for level in range(1, 10):
     refs = ",".join([f"*a{level - 1}"] * 10)
     lines.append(f"a{level}: &a{level} [{refs}]")
-lines.append("kind: OffloadRegion")
+lines += ["apiVersion: kvshm.dev/v1alpha1", "kind: OffloadRegion", "metadata: {name: bomb}"]
+# where a refused value is quoted in the error message, the whole expansion would be printed
+lines.append("spec: {layout: {numBlocks: *a9, cpuPageSize: 4096, numWorkers: 1}}")
 open(sys.argv[1] + "/bomb.yaml", "w").write("\\n".join(lines) + "\\n")
 open(sys.argv[1] + "/huge.yaml", "w").write("# " + "x" * (2 << 20) + "\\n")
 import os

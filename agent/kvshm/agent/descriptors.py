@@ -4,9 +4,10 @@ Each hosted region keeps a few descriptors open in the agent (its file, its dire
 event writer) and as many in the event-writer child. At the limit, every pass failed (it opens
 directories and probes files) and nothing recovered: no region ever reported Ready. So the
 agent raises its soft RLIMIT_NOFILE to the hard limit at start, and admits a new region only
-while the descriptors it would take leave RESERVE (or a quarter of the limit, if less) free for the passes, the HTTP endpoint (at
-most 64 connections) and populating; a region refused for lack of descriptors is Failed with
-reason `descriptors` (an Event, `errors_total{reason="descriptors"}`) and retried every pass.
+while the descriptors it would take leave RESERVE (or a quarter of the limit, if less) free for
+the passes, the HTTP endpoint (at most 64 connections) and populating; a region refused for lack
+of descriptors is Failed with reason `descriptors` (an Event,
+`errors_total{reason="descriptors"}`) and retried every pass.
 """
 
 from __future__ import annotations
