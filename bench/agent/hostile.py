@@ -38,10 +38,12 @@ from tests.agent.hostile import (  # noqa: E402  (the repository root is on the 
     tenant_process,
     write_regions,
 )
+from tests.agent.test_console_names import _HOSTILE_NAMES  # noqa: E402
 from tests.agent.test_event_ring_hostile import _PLANT, crafted_trailer  # noqa: E402
 from tests.agent.test_fifo_swap import _SWAPPER  # noqa: E402
 from tests.agent.test_hard_links import _LINK  # noqa: E402
 from tests.agent.test_inventory_bounds import _FILL  # noqa: E402
+from tests.agent.test_smaller_hostile_items import _TRUNCATE  # noqa: E402
 
 LIMIT_SECONDS = 60.0
 Row = dict[str, Any]
@@ -95,8 +97,10 @@ class Bench:
         self.env = {"PYTHONPATH": str(source / "agent")}
         self.source = source
 
-    def agent(self, regions: Path, root: Path, *extra: str, **kwargs: Any) -> RunningAgent:
-        return RunningAgent(regions, root, *extra, env=self.env, **kwargs)
+    def agent(
+        self, regions: Path, root: Path, *extra: str, env: dict[str, str] | None = None, **kw: Any
+    ) -> RunningAgent:
+        return RunningAgent(regions, root, *extra, env={**self.env, **(env or {})}, **kw)
 
     def python(self, code: str, *args: str) -> Row:
         """Run code in-process against the source tree; it prints one JSON object."""
@@ -337,6 +341,46 @@ def attack_fifo(bench: Bench) -> Row:
         return row
 
 
+def attack_console(bench: Bench) -> Row:
+    """File names with terminal escapes and bytes that are not UTF-8, an ASCII-strict console."""
+    with workspace() as work:
+        regions = work / "regions"
+        regions.mkdir()
+        root = work / "root"
+        write_regions(regions, "a.yaml", tenant_manifest("victim"))
+        strict = {"PYTHONIOENCODING": "ascii:strict", "LANG": "C", "LC_ALL": "C"}
+        extra = ("--no-http", "--drain-grace-seconds", "1")
+        with bench.agent(regions, root, *extra, env=strict) as agent:
+            agent.saw("tenant/victim  Ready")
+            tenant(_HOSTILE_NAMES, str(root / "tenant/victim"))
+            (regions / "a.yaml").unlink()
+            removed = time_to(agent, "tenant/victim  Removed", 15)
+            write_regions(regions, "b.yaml", tenant_manifest("other"))
+            other = time_to(agent, "tenant/other  Ready", 15)
+        output = agent.output()
+        return {
+            "removed_printed_s": removed,
+            "other_ready_s": other,
+            "raw_escapes_printed": "\x1b" in output,
+            "tracebacks": output.count("Traceback"),
+        }
+
+
+def attack_truncate(bench: Bench) -> Row:
+    """The tenant truncates its Ready region file to 4 KiB."""
+    with workspace() as work:
+        regions = work / "regions"
+        regions.mkdir()
+        root = work / "root"
+        write_regions(regions, "a.yaml", tenant_manifest("cut"))
+        with bench.agent(regions, root, "--no-http", "--resync-seconds", "1") as agent:
+            agent.saw("tenant/cut  Ready")
+            tenant(_TRUNCATE, str(root / "tenant/cut/vllm_offload_cut.mmap"))
+            failed = time_to(agent, "tenant/cut  Failed", 10)
+            last = [line for line in agent.lines if "tenant/cut  " in line][-1]
+        return {"reported_failed_s": failed, "last_status": last.split("  ")[2]}
+
+
 ATTACKS: dict[str, Callable[[Bench], Row]] = {
     "http": attack_http,
     "yaml": attack_yaml,
@@ -345,6 +389,8 @@ ATTACKS: dict[str, Callable[[Bench], Row]] = {
     "descriptors": attack_descriptors,
     "hard_link": attack_hard_link,
     "fifo": attack_fifo,
+    "console": attack_console,
+    "truncate": attack_truncate,
 }
 
 
