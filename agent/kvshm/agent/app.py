@@ -9,7 +9,6 @@ import argparse
 import threading
 from dataclasses import dataclass
 from datetime import datetime
-from http.server import ThreadingHTTPServer
 
 from kvshm.agent.errors import describe
 from kvshm.agent.eventwriter import IsolatedEventQueues
@@ -21,7 +20,7 @@ from kvshm.agent.loop import AgentLoop, RegionSource, StatusSink, Wakeup
 from kvshm.agent.metrics import AgentMetrics
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.saferoot import RegionRoot
-from kvshm.agent.server import Health, serve
+from kvshm.agent.server import AgentHttpServer, Health, serve
 from kvshm.agent.version import agent_version
 from kvshm.api import NodeRegionPhase
 from kvshm.region import RegionError
@@ -38,7 +37,7 @@ class AgentApp:
     metrics: AgentMetrics
     reconciler: NodeReconciler
     loop: AgentLoop
-    server: ThreadingHTTPServer | None
+    server: AgentHttpServer | None
 
     def banner(self) -> str:
         mode = f"local mode, regions from {self.args.local}" if self.args.local else "cluster mode"

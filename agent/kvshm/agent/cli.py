@@ -11,6 +11,7 @@ the next start adopts them.
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import signal
@@ -21,6 +22,8 @@ from collections.abc import Sequence
 from types import FrameType
 
 from kvshm.agent.app import AgentStartError, build_app
+from kvshm.agent.descriptors import raise_soft_limit
+from kvshm.agent.printable import PrintableFormatter
 from kvshm.agent.sizes import parse_bytes
 
 log = logging.getLogger("kvshm.agent")
@@ -119,11 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    if isinstance(sys.stdout, io.TextIOWrapper):  # a console in any encoding never fails a pass
+        sys.stdout.reconfigure(errors="backslashreplace")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    old_limit, limit = raise_soft_limit()  # before the event writer is spawned: it inherits it
+    if limit != old_limit:
+        log.info("raised the soft file descriptor limit from %d to %d", old_limit, limit)
     try:
         app = build_app(args)
     except AgentStartError as exc:

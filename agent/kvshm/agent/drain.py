@@ -11,6 +11,9 @@ period ends; after it the unlinked memory stays with its last holder until that 
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +23,9 @@ from typing import Any, Protocol
 from kvshm.agent.errors import describe
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion
+from kvshm.agent.printable import printable
 from kvshm.agent.regionfiles import (
+    FoundFile,
     describe_unsafe,
     files_of,
     holding_all,
@@ -28,6 +33,7 @@ from kvshm.agent.regionfiles import (
     unlink_unheld,
 )
 from kvshm.agent.saferoot import RegionDir, RegionRoot
+from kvshm.agent.sizes import format_bytes
 from kvshm.api import OffloadRegion, ReclaimPolicy
 from kvshm.region import UnsafePathError
 from kvshm.region.naming import region_file_name
@@ -85,9 +91,15 @@ class Drain:
     deadline_monotonic: float
     deadline_unix: float
     hosted: HostedRegion | None = None
-    file_id: tuple[int, int] | None = None  # file 0's (dev, inode), when the agent held it
+    # every file's (dev, inode), file 0 first, when the agent held the region
+    file_ids: tuple[tuple[int, int], ...] = ()
     notified: bool = False
     message: str = ""
+
+    @property
+    def file_id(self) -> tuple[int, int] | None:
+        """File 0's (dev, inode): the file attachers flock."""
+        return self.file_ids[0] if self.file_ids else None
 
 
 @dataclass(frozen=True)
@@ -119,7 +131,7 @@ class Drainer:
             self._clock() + self._grace,
             time.time() + self._grace,
             hosted,
-            hosted.file_id if hosted is not None else None,
+            hosted.file_ids if hosted is not None else (),
         )
 
     def advance(self, drain: Drain) -> DrainStep:
@@ -158,13 +170,23 @@ class Drainer:
             drain.notified = True
         expired = self._clock() >= drain.deadline_monotonic
         file_set, unsafe = files_of(region_dir, region.instance_id)
-        leftovers = [describe_unsafe(region_dir, entry) for entry in unsafe]
+        # the agent's own files that someone gave more names: their names are removed like any
+        # other file of the region, and what the extra links keep allocated is reported
+        linked = [entry for entry in unsafe if _is_own_linked(entry, drain.file_ids)]
+        linked_names = {entry.name for entry in linked}
+        leftovers = [
+            describe_unsafe(region_dir, entry) for entry in unsafe if entry.name not in linked_names
+        ]
+        files = sorted([*(file_set.files if file_set else ()), *linked], key=lambda f: f.segment)
         outcome = DrainOutcome.GONE
-        if file_set is not None:
-            path = region_dir.file_path(file_set.first_name)
+        notes: list[str] = []  # what the region's removal could not free
+        if files:
+            names = [file.name for file in files]
+            path = region_dir.file_path(names[0])
+            checks = {entry.name: _own_file_check(_file_id(entry.stat)) for entry in linked}
             try:
                 # unlinked while the exclusive locks (if any) keep new attachers out
-                with holding_all(self._holds, region_dir, file_set.names) as held:
+                with holding_all(self._holds, region_dir, names, checks) as held:
                     if held is None and not expired:
                         left = max(0.0, drain.deadline_monotonic - self._clock())
                         return DrainStep(
@@ -173,34 +195,82 @@ class Drainer:
                         )
                     if held is None:
                         outcome = DrainOutcome.GRACE_EXPIRED
-                        leftovers += unlink_unheld(region_dir, file_set.names)
+                        leftovers += unlink_unheld(region_dir, names, linked_names)
                     else:
                         outcome = DrainOutcome.RELEASED
-                        leftovers += unlink_held(region_dir, held)
+                        leftovers += unlink_held(region_dir, held, linked_names)
             except UnsafePathError as exc:
                 leftovers.append(describe(exc))
+            one_file = region.layout.file_count == 1
+            notes = [
+                _still_linked(region_dir, entry, one_file)
+                for entry in linked
+                if region_dir.lstat(entry.name) is None  # its name went: the links keep it
+            ]
         self._notifier.close(region_dir)
         for name in self._notifier.file_names(region_dir):
             problem = region_dir.unlink_regular(name)
             if problem:
                 leftovers.append(problem)
-        return self._finish(region_dir, outcome, leftovers)
+        return self._finish(region_dir, outcome, leftovers, "; ".join(notes))
 
     def _finish(
-        self, region_dir: RegionDir, outcome: DrainOutcome, leftovers: list[str]
+        self, region_dir: RegionDir, outcome: DrainOutcome, leftovers: list[str], note: str = ""
     ) -> DrainStep:
         if region_dir.remove_if_empty():
             self._root.remove_namespace_if_empty(region_dir.namespace)
             message = f"removed {region_dir.path}"
         else:
-            others = region_dir.entries()
+            others = region_dir.entries(limit=6)
+            named = ", ".join(map(printable, others[:5])) + (", ..." if len(others) > 5 else "")
             message = (
                 f"removed the region's files; {region_dir.path} still holds files the agent "
-                f"did not make ({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}) "
-                f"and was left in place"
+                f"did not make ({named}) and was left in place"
             )
         if outcome is DrainOutcome.GRACE_EXPIRED:
             message += "; the grace period ended while a process still held the file"
+        if note:
+            message += "; " + note
         if leftovers:
             message += "; not removed: " + "; ".join(leftovers)
         return DrainStep(outcome, message, leftovers)
+
+
+def _file_id(st: os.stat_result) -> tuple[int, int]:
+    return (st.st_dev, st.st_ino)
+
+
+def _is_own_linked(entry: FoundFile, own: tuple[tuple[int, int], ...]) -> bool:
+    """Whether the entry is one of the agent's own files (an inode it held) that someone gave
+    more names: hard links keep its memory after the region's names are removed."""
+    st = entry.stat
+    return stat.S_ISREG(st.st_mode) and st.st_nlink >= 2 and _file_id(st) in own
+
+
+def _own_file_check(own: tuple[int, int]) -> Callable[[os.stat_result, str], None]:
+    """Accept the agent's own file whatever its link count (removing a name of it is safe);
+    refuse any other inode, and anything not regular."""
+
+    def check(st: os.stat_result, path: str) -> None:
+        if not stat.S_ISREG(st.st_mode) or _file_id(st) != own:
+            raise UnsafePathError(errno.EAGAIN, f"{path} was replaced meanwhile; left in place")
+
+    return check
+
+
+def _still_linked(region_dir: RegionDir, entry: FoundFile, one_file: bool) -> str:
+    """What the extra hard links of one of the region's files keep: the message the operator
+    acts on."""
+    st = entry.stat
+    names = region_dir.names_of(_file_id(st))
+    elsewhere = st.st_nlink - 1 - len(names)
+    where = ", ".join(printable(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+    parts = [f"{len(names)} in {region_dir.path} ({where})"] if names else []
+    if elsewhere > 0:
+        parts.append(f"{elsewhere} elsewhere on the filesystem")
+    what = "the region file" if one_file else f"the region's file {printable(entry.name)}"
+    return (
+        f"{what} had {st.st_nlink - 1} more hard link(s) ({'; '.join(parts)}), which "
+        f"keep {format_bytes(st.st_blocks * 512)} allocated after its removal: remove them "
+        f"(find the rest with find {region_dir.path.rsplit('/', 2)[0]} -inum {st.st_ino})"
+    )

@@ -25,6 +25,7 @@ class ErrorReason(StrEnum):
     API = "api"
     DRAIN = "drain"
     RECLAIM = "reclaim"
+    DESCRIPTORS = "descriptors"
 
 
 def classify(exc: BaseException) -> ErrorReason:
@@ -33,7 +34,9 @@ def classify(exc: BaseException) -> ErrorReason:
     if isinstance(exc, UnsafePathError):
         return ErrorReason.UNSAFE_PATH
     if isinstance(exc, RegionSpaceError):
-        return ErrorReason.CAPACITY
+        # admission passed (capacity is checked before anything is created): the tmpfs filled
+        # up under the populate, so the populate failed
+        return ErrorReason.POPULATE
     if isinstance(exc, RegionLockError):
         return ErrorReason.LOCK
     if isinstance(exc, PermissionError) or getattr(exc, "errno", None) == errno.EPERM:

@@ -33,6 +33,7 @@ from kvshm.api import OffloadRegion
 log = logging.getLogger(__name__)
 
 REPLY_TIMEOUT_SECONDS = 10.0  # prepare and publish each wait at most about a second inside
+JOIN_SERVICE_SECONDS = 0.5  # how soon a worker's join is accepted when no event is being sent
 
 
 class _ReceivedDirectory:
@@ -59,6 +60,10 @@ def serve(conn: Connection) -> None:
     queues = RegionEventQueues()
     while True:
         try:
+            if not conn.poll(JOIN_SERVICE_SECONDS):
+                # accept workers' joins between events, so their wait_until_ready returns
+                queues.serve_joins()
+                continue
             command, key, payload = conn.recv()
         except EOFError:
             # The agent stopped. Leave without running finalizers: they would remove the rings
@@ -102,9 +107,17 @@ class IsolatedEventQueues:
         return self._process.pid if self._process is not None else None
 
     def prepare(self, region_dir: RegionDir, region: OffloadRegion) -> None:
+        """Make (or resume) the region's ring; again for an open region whose spec.access
+        changed, so the ring gets the new owner and mode."""
         key = region_dir.key
         with self._lock:
-            if key in self._broken or key in self._open:
+            if key in self._broken:
+                return
+            entry = self._open.get(key)
+            if entry is not None:
+                if entry[1].access != region.access:
+                    self._call("prepare", key, region_dir.fd, region)
+                    self._open[key] = (entry[0], region)
                 return
             self._call("prepare", key, region_dir.fd, region)
             self._open[key] = (os.dup(region_dir.fd), region)

@@ -18,19 +18,22 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kvshm.region import safefile
 
 FileId = tuple[int, int]  # (st_dev, st_ino)
+FileCheck = Callable[[os.stat_result, str], None]
 
 
-def try_exclusive(dir_fd: int, file_name: str, path: str) -> int | None:
+def try_exclusive(
+    dir_fd: int, file_name: str, path: str, check: FileCheck = safefile.check_regular
+) -> int | None:
     """A descriptor holding an exclusive flock on the file, or None when someone holds a lock.
 
-    Raises UnsafePathError for anything but a regular single-link file, FileNotFoundError if
-    there is none."""
-    fd = safefile.open_existing(dir_fd, file_name, path)
+    Raises UnsafePathError for anything `check` refuses (by default anything but a regular
+    single-link file), FileNotFoundError if there is none."""
+    fd = safefile.open_checked(file_name, os.O_RDWR, path, dir_fd, check)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -125,10 +128,12 @@ class HoldChecker:
         return (st.st_dev, st.st_ino) in self._proc_held
 
     @contextlib.contextmanager
-    def exclusive(self, dir_fd: int, file_name: str, path: str) -> Iterator[int | None]:
+    def exclusive(
+        self, dir_fd: int, file_name: str, path: str, check: FileCheck = safefile.check_regular
+    ) -> Iterator[int | None]:
         """Yields a descriptor holding the file exclusively, or None when it is held; keep the
         block short, attachers wait while it runs."""
-        fd = try_exclusive(dir_fd, file_name, path)
+        fd = try_exclusive(dir_fd, file_name, path, check)
         if fd is not None and self.held_by_process(os.fstat(fd)):
             os.close(fd)
             fd = None

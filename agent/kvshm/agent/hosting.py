@@ -64,7 +64,9 @@ class HostedRegion:
         self.adopt = adopt
         self.file_name = region_file_name(region.instance_id)
         self.path = region_dir.file_path(file_name=self.file_name)
-        self.file_names = [file.name for file in region.layout.files(region.instance_id)]
+        files = region.layout.files(region.instance_id)
+        self.file_names = [file.name for file in files]
+        self.file_lengths = [file.length for file in files]  # what each file's size must stay
         # (dev, inode) of every file once opened, file 0 first
         self.file_ids: tuple[tuple[int, int], ...] = ()
         self.created = False  # this attempt made the file (so a failure may remove it)

@@ -20,6 +20,7 @@ from datetime import datetime
 
 from kvshm.agent.capacity import CapacityCheck
 from kvshm.agent.counters import Counters, NoCounters
+from kvshm.agent.descriptors import DescriptorBudget
 from kvshm.agent.drain import Drain, Drainer, DrainNotifier, DrainOutcome
 from kvshm.agent.errors import ErrorReason, classify, describe
 from kvshm.agent.holders import HoldChecker
@@ -98,6 +99,7 @@ class NodeReconciler:
         self._clock = clock
         self._notifier = notifier
         self._populate_slots = threading.Semaphore(max(1, settings.hosting.parallel_regions))
+        self._descriptors = DescriptorBudget()
         self._drainer = Drainer(root, self._holds, notifier, settings.drain_grace_seconds, clock)
         self._inventory = InventoryScanner(root, self._holds, settings.reserve_bytes)
         self._reclaims = ReclaimBook(Reclaimer(root, self._holds), self._counters)
@@ -311,7 +313,7 @@ class NodeReconciler:
             self._event(
                 EventReason.FAILED,
                 region,
-                f"{hosted.path} was removed or replaced by someone else; opening it again",
+                f"{hosted.path} was removed, replaced or resized by someone else; opening it again",
             )
             return False
         self._failures.pop(region.key, None)
@@ -333,19 +335,27 @@ class NodeReconciler:
                 found = [region_dir.lstat(name) for name in hosted.file_names]
         except OSError:  # unsafe now, or unreadable: opened again, which says why
             return False
-        ids = tuple((st.st_dev, st.st_ino) for st in found if st is not None)
-        return ids == hosted.file_ids
+        # a file truncated (or grown) under the agent is no longer the Ready region it held
+        return len(found) == len(hosted.file_ids) and all(
+            st is not None and (st.st_dev, st.st_ino) == file_id and st.st_size == length
+            for st, file_id, length in zip(found, hosted.file_ids, hosted.file_lengths, strict=True)
+        )
 
     def _apply_access(self, hosted: HostedRegion) -> None:
         region = hosted.region
         try:
-            self.root.ensure_region_dir(region.namespace, region.name, region.access).close()
+            with self.root.ensure_region_dir(region.namespace, region.name, region.access) as d:
+                self._notifier.prepare(d, region)  # the event ring's owner and mode too
             hosted.set_access()
         except (RegionError, OSError) as exc:
             self._fail(region, classify(exc), f"could not apply spec.access: {describe(exc)}")
 
     def _open(self, region: OffloadRegion) -> None:
         """Create or adopt the region's file and start populating it."""
+        refusal = self._descriptors.refusal(region.layout.file_count)
+        if refusal is not None:  # degrade: refuse this region, keep every pass running
+            self._fail(region, ErrorReason.DESCRIPTORS, refusal)
+            return
         if not self._room_before_creating(region):
             return
         try:

@@ -5,6 +5,10 @@ the names in a directory by instance id; a group is held when any of its files i
 removed only while the agent holds every one of its files exclusively (so no kvshm attacher can
 start meanwhile: attachers flock file 0, and file 0 goes first). Files left without their file 0
 belong to no region anyone can attach, and are orphans like any other.
+
+A tenant can fill its directory with region-shaped names: listing all regions of a directory
+reads a bounded number of them (RegionDir.region_files); the files of one known instance id are
+looked up by their at most 32 names, so no number of other names hides them.
 """
 
 from __future__ import annotations
@@ -12,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from kvshm.agent.holders import HoldChecker
+from kvshm.agent.holders import FileCheck, HoldChecker
 from kvshm.agent.saferoot import RegionDir
-from kvshm.region import parse_region_file_name
-from kvshm.region.safefile import describe_file_type
+from kvshm.region import RegionFileName
+from kvshm.region.naming import MAX_SEGMENT_INDEX, segment_file_name
+from kvshm.region.safefile import check_regular, describe_file_type
 
 
 @dataclass(frozen=True)
@@ -70,17 +75,31 @@ def describe_unsafe(region_dir: RegionDir, entry: FoundFile) -> str:
     )
 
 
-def find_region_files(
-    region_dir: RegionDir, instance_id: str | None = None
+def find_region_files(region_dir: RegionDir) -> tuple[list[RegionFileSet], list[FoundFile]]:
+    """Every region's files in the directory (a bounded listing: RegionDir.region_files), and
+    the region-named entries that are not plain single-link files (left out, never opened)."""
+    return _group(region_dir, region_dir.region_files())
+
+
+def files_of(
+    region_dir: RegionDir, instance_id: str
+) -> tuple[RegionFileSet | None, list[FoundFile]]:
+    """instance_id's files in the directory (None if there are none) and the unsafe entries,
+    found by looking up each name a file of the id can have."""
+    names = (
+        (segment_file_name(instance_id, segment), RegionFileName(instance_id, segment))
+        for segment in range(MAX_SEGMENT_INDEX + 1)
+    )
+    found, problems = _group(region_dir, names)
+    return (found[0] if found else None), problems
+
+
+def _group(
+    region_dir: RegionDir, names: Iterable[tuple[str, RegionFileName]]
 ) -> tuple[list[RegionFileSet], list[FoundFile]]:
-    """Every region's files in the directory (or only instance_id's), and the region-named
-    entries that are not plain single-link files (left out, never opened)."""
     grouped: dict[str, list[FoundFile]] = {}
     unsafe = []
-    for name in region_dir.entries():
-        parsed = parse_region_file_name(name)
-        if parsed is None or instance_id not in (None, parsed.instance_id):
-            continue
+    for name, parsed in names:
         st = region_dir.lstat(name)
         if st is None:
             continue
@@ -96,27 +115,24 @@ def find_region_files(
     return found, unsafe
 
 
-def files_of(
-    region_dir: RegionDir, instance_id: str
-) -> tuple[RegionFileSet | None, list[FoundFile]]:
-    """instance_id's files in the directory (None if there are none) and the unsafe entries."""
-    found, problems = find_region_files(region_dir, instance_id)
-    return (found[0] if found else None), problems
-
-
 @contextlib.contextmanager
 def holding_all(
-    holds: HoldChecker, region_dir: RegionDir, names: list[str]
+    holds: HoldChecker,
+    region_dir: RegionDir,
+    names: list[str],
+    checks: Mapping[str, FileCheck] | None = None,
 ) -> Iterator[dict[str, int] | None]:
     """Yields {name: descriptor holding it exclusively} for every file still there, or None
     when some process holds any of them. File 0 comes first in `names`, so attachers stop
-    before the others are probed. Keep the block short."""
+    before the others are probed. Each file must pass its check in `checks` (by default: a
+    regular single-link file). Keep the block short."""
     with contextlib.ExitStack() as stack:
         held: dict[str, int] = {}
         for name in names:
             try:
+                check = checks.get(name, check_regular) if checks else check_regular
                 fd = stack.enter_context(
-                    holds.exclusive(region_dir.fd, name, region_dir.file_path(name))
+                    holds.exclusive(region_dir.fd, name, region_dir.file_path(name), check)
                 )
             except FileNotFoundError:
                 continue
@@ -132,22 +148,27 @@ def is_held(holds: HoldChecker, region_dir: RegionDir, names: list[str]) -> bool
         return held is None
 
 
-def unlink_held(region_dir: RegionDir, held: dict[str, int]) -> list[str]:
+def unlink_held(
+    region_dir: RegionDir, held: dict[str, int], linked_ok: Collection[str] = ()
+) -> list[str]:
     """Remove each file held (by the descriptors holding_all gave), file 0 first; what could
-    not be removed, and why."""
+    not be removed, and why. Names in `linked_ok` may have more hard links (the caller knows
+    the inode is its own)."""
     problems = []
     for name, fd in held.items():
-        problem = region_dir.unlink_regular(name, os.fstat(fd))
+        problem = region_dir.unlink_regular(name, os.fstat(fd), linked_ok=name in linked_ok)
         if problem:
             problems.append(problem)
     return problems
 
 
-def unlink_unheld(region_dir: RegionDir, names: list[str]) -> list[str]:
+def unlink_unheld(
+    region_dir: RegionDir, names: list[str], linked_ok: Collection[str] = ()
+) -> list[str]:
     """Remove the files although a process holds them (a drain's grace period is over)."""
     problems = []
     for name in names:
-        problem = region_dir.unlink_regular(name)
+        problem = region_dir.unlink_regular(name, linked_ok=name in linked_ok)
         if problem:
             problems.append(problem)
     return problems

@@ -19,14 +19,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvshm.agent.errors import describe
+from kvshm.agent.printable import printable
 from kvshm.api import RegionAccess
-from kvshm.region import UnsafePathError, instance_id_from_file_name
+from kvshm.region import RegionFileName, UnsafePathError, parse_region_file_name
 from kvshm.region.safefile import describe_file_type
 
 # Root and namespace directories: traversable but not listable, so a tenant who can reach one
 # cannot enumerate the other tenants' regions.
 SHARED_DIR_MODE = 0o711
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# A tenant can fill its directory with region-shaped names (10,001 empty files froze a node's
+# status: the OffloadNode patch outgrew the API server's request limit). Per directory and pass,
+# at most this many entries are read and this many region-shaped files listed; the excess is
+# summarised in one problem line. A region has at most 32 files.
+MAX_DIR_ENTRIES = 4096
+MAX_REGION_FILES = 64
 # Kubernetes names: a namespace is a DNS label, an object name a DNS subdomain. Neither can be
 # empty, '.', '..' or contain '/'; that is what makes them safe directory names.
 _NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -112,6 +119,7 @@ class RegionDir:
     path: str
     fd: int
     namespace_fd: int
+    problem: ProblemCallback | None = None  # where a walk's directories report their excess
 
     @property
     def key(self) -> str:
@@ -131,25 +139,72 @@ class RegionDir:
         except FileNotFoundError:
             return None
 
-    def entries(self) -> list[str]:
-        return sorted(os.listdir(self.fd))
+    def entries(self, limit: int = MAX_DIR_ENTRIES) -> list[str]:
+        """Names in the directory, sorted: at most `limit` of them (a tenant's directory can
+        hold any number)."""
+        with os.scandir(self.fd) as found:
+            return sorted(entry.name for entry, _ in zip(found, range(limit), strict=False))
 
-    def region_files(self) -> list[tuple[str, str]]:
-        """(file name, instance id) of every region-shaped name in the directory."""
+    def names_of(self, file_id: tuple[int, int], limit: int = 10_000) -> list[str]:
+        """Names in this directory (among its first `limit` entries) of the inode `file_id`."""
         found = []
-        for file_name in self.entries():
-            instance_id = instance_id_from_file_name(file_name)
-            if instance_id is not None:
-                found.append((file_name, instance_id))
-        return found
+        with os.scandir(self.fd) as entries:
+            for index, entry in enumerate(entries):
+                if index >= limit:
+                    break
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if (st.st_dev, st.st_ino) == file_id:
+                    found.append(entry.name)
+        return sorted(found)
 
-    def unlink_regular(self, file_name: str, expected: os.stat_result | None = None) -> str | None:
-        """Remove `file_name` if it is a regular file with one link (and, given `expected`, still
-        that file); else leave it and say why."""
+    def region_files(self) -> list[tuple[str, RegionFileName]]:
+        """(file name, whose file it is) of the region-shaped names in the directory (.mmap and
+        .mmap.<i> alike), sorted by name: at most MAX_REGION_FILES of them among its first
+        MAX_DIR_ENTRIES entries (the rest is told to `problem`, in one line), so a tenant's
+        directory costs a bounded pass and status."""
+        found: list[tuple[str, RegionFileName]] = []
+        unlisted = read = 0
+        with os.scandir(self.fd) as entries:
+            for entry in entries:
+                if read == MAX_DIR_ENTRIES:
+                    break
+                read += 1
+                parsed = parse_region_file_name(entry.name)
+                if parsed is None:
+                    continue
+                if len(found) < MAX_REGION_FILES:
+                    found.append((entry.name, parsed))
+                else:
+                    unlisted += 1
+            more_entries = read == MAX_DIR_ENTRIES and next(entries, None) is not None
+        if (unlisted or more_entries) and self.problem is not None:
+            self.problem(self._excess(unlisted, more_entries))
+        return sorted(found, key=lambda item: item[0])
+
+    def _excess(self, unlisted: int, more_entries: bool) -> str:
+        parts = [f"{MAX_REGION_FILES} region-shaped files listed"]
+        if unlisted:
+            parts.append(f"and {unlisted} more not listed")
+        if more_entries:
+            parts.append(f"entries beyond the first {MAX_DIR_ENTRIES} not looked at")
+        return (
+            f"{self.path} holds too many files ({', '.join(parts)}); a region has at most 32: "
+            f"remove what is not a region's file"
+        )
+
+    def unlink_regular(
+        self, file_name: str, expected: os.stat_result | None = None, *, linked_ok: bool = False
+    ) -> str | None:
+        """Remove `file_name` if it is a regular file with one link (any number with linked_ok,
+        for a file the caller knows is its own: unlinking removes only this name) and, given
+        `expected`, still that file; else leave it and say why."""
         st = self.lstat(file_name)
         if st is None:
             return None
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        if not stat.S_ISREG(st.st_mode) or (st.st_nlink != 1 and not linked_ok):
             links = f" with {st.st_nlink} links" if stat.S_ISREG(st.st_mode) else ""
             return f"{self.file_path(file_name)} is {describe_file_type(st.st_mode)}{links}"
         if expected is not None and (st.st_dev, st.st_ino) != (expected.st_dev, expected.st_ino):
@@ -271,7 +326,7 @@ class RegionRoot:
 
         Entries that cannot be region directories are passed to `problem` and skipped."""
         for namespace in sorted(os.listdir(self.fd)):
-            ns_path = os.path.join(self.path, namespace)
+            ns_path = os.path.join(self.path, printable(namespace))  # names are anyone's
             if not is_namespace(namespace):
                 problem(f"{ns_path}: not a namespace directory name; ignored")
                 continue
@@ -297,7 +352,7 @@ class RegionRoot:
         self, namespace: str, ns_fd: int, problem: ProblemCallback
     ) -> Iterator[RegionDir]:
         for name in sorted(os.listdir(ns_fd)):
-            path = os.path.join(self.path, namespace, name)
+            path = os.path.join(self.path, namespace, printable(name))
             if not is_region_name(name):
                 problem(f"{path}: not a region directory name; ignored")
                 continue
@@ -313,7 +368,7 @@ class RegionRoot:
                 )
                 continue
             # the namespace descriptor belongs to walk(); the RegionDir gets its own copy
-            region_dir = RegionDir(namespace, name, path, fd, os.dup(ns_fd))
+            region_dir = RegionDir(namespace, name, path, fd, os.dup(ns_fd), problem)
             try:
                 yield region_dir
             finally:

@@ -20,6 +20,10 @@ from kvshm.ipc.errors import RingConfigError, RingFormatError
 
 LINE = 64
 MAX_READERS = 256
+# Bounds on what a trailer may claim, so that attaching to a file someone else wrote costs
+# bounded memory and time (a view per chunk is made on attach): far beyond any real ring.
+MAX_CHUNKS = 1 << 16
+MAX_CHUNK_BYTES = 1 << 30
 MAGIC = b"KVSHMRB1"
 VERSION = 2
 _TRAILER = struct.Struct(">8sHHIQQ")  # magic, version, n_reader, max_chunks, chunk bytes, total
@@ -44,6 +48,11 @@ class RingLayout:
         if self.n_reader > MAX_READERS:
             raise RingConfigError(
                 f"n_reader is {self.n_reader}; a ring has at most {MAX_READERS} readers"
+            )
+        if self.max_chunks > MAX_CHUNKS or self.max_chunk_bytes > MAX_CHUNK_BYTES:
+            raise RingConfigError(
+                f"{self.max_chunks} chunks of {self.max_chunk_bytes} bytes: a ring has at most "
+                f"{MAX_CHUNKS} chunks of at most {MAX_CHUNK_BYTES} bytes"
             )
         if self.max_chunk_bytes < LINE:
             raise RingConfigError(

@@ -17,6 +17,7 @@ from kvshm.ipc.codec import (
     decode,
 )
 from kvshm.ipc.errors import IpcError, WriterDiedError
+from kvshm.ipc.layout import RingLayout
 from kvshm.ipc.reader import RingReader
 from kvshm.ipc.ring import DEFAULT_ATTACH_TIMEOUT_SECONDS, RingHandle, ShmRingBuffer
 from kvshm.ipc.ringfile import DEFAULT_DIRECTORY, DEFAULT_FILE_MODE
@@ -155,14 +156,17 @@ class MessageQueue:
         on_dead_reader: DeadReaderAction = "raise",
         remove_on_close: bool = False,
         attach_timeout: float = DEFAULT_ATTACH_TIMEOUT_SECONDS,
+        accept: Callable[[RingLayout], bool] | None = None,
     ) -> MessageQueue:
         """Become the writer of an existing ring whose writer died (e.g. a restarted agent).
 
         Readers stay attached and joined; the new writer continues where the old one stopped.
         A message the old writer left half-sent is dropped by the readers, never returned.
+        `accept` refuses a geometry before the file is mapped (a writer that knows what it
+        created passes `expected.__eq__`).
         """
         return cls.writer_of(
-            ShmRingBuffer.attach(path, attach_timeout),
+            ShmRingBuffer.attach(path, attach_timeout, accept),
             wait_policy=wait_policy,
             on_dead_reader=on_dead_reader,
             remove_on_close=remove_on_close,

@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvshm.ipc.errors import RingConfigError, RingFormatError, RingTimeout
-from kvshm.ipc.layout import LINE, RingLayout
+from kvshm.ipc.layout import RingLayout
 from kvshm.ipc.registry import Registry
 from kvshm.ipc.ringfile import DEFAULT_DIRECTORY, DEFAULT_FILE_MODE, RingFile, random_name
 from kvshm.region.memory import mapping_address
@@ -96,11 +97,15 @@ class ShmRingBuffer:
 
     @classmethod
     def attach(
-        cls, path: str, attach_timeout: float = DEFAULT_ATTACH_TIMEOUT_SECONDS
+        cls,
+        path: str,
+        attach_timeout: float = DEFAULT_ATTACH_TIMEOUT_SECONDS,
+        accept: Callable[[RingLayout], bool] | None = None,
     ) -> ShmRingBuffer:
-        """Attach by path alone (the geometry is read from the file), waiting for it to exist."""
+        """Attach by path alone (the geometry is read from the file), waiting for it to exist.
+        `accept` may refuse the geometry the file names before anything is mapped."""
         directory, name = os.path.split(os.path.abspath(path))
-        file, layout = _open_ring(directory, name, attach_timeout)
+        file, layout = _open_ring(directory, name, attach_timeout, accept)
         ring = cls.__new__(cls)
         ring._setup(file, layout)
         return ring
@@ -206,27 +211,21 @@ def _attach_handle(handle: RingHandle) -> ShmRingBuffer:
     return handle.attach()
 
 
-def _open_ring(directory: str, name: str, timeout: float) -> tuple[RingFile, RingLayout]:
+def _open_ring(
+    directory: str,
+    name: str,
+    timeout: float,
+    accept: Callable[[RingLayout], bool] | None = None,
+) -> tuple[RingFile, RingLayout]:
     """Open and map the ring, waiting until it exists and its creator has finished it."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            file = RingFile.open(directory, name)
+            opened = RingFile.open(directory, name, accept)
         except FileNotFoundError:
-            file = None
-        if file is not None:
-            try:
-                layout = (
-                    RingLayout.from_trailer(file.mapping[file.size - LINE :], file.size, file.path)
-                    if file.size >= LINE
-                    else None
-                )
-            except BaseException:
-                file.close()
-                raise
-            if layout is not None:
-                return file, layout
-            file.close()
+            opened = None
+        if opened is not None:
+            return opened
         if time.monotonic() >= deadline:
             raise RingTimeout(
                 f"ring {os.path.join(directory, name)} did not appear, or its creator did not "

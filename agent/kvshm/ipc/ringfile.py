@@ -4,6 +4,13 @@ A ring in /dev/shm (the default) is what multiprocessing.shared_memory would mak
 region's directory is the same file elsewhere, so a pod that mounts that directory attaches by
 path. Opens go through kvshm.region.safefile: relative to a directory descriptor, never
 following a symlink, regular single-link files only.
+
+Whoever else can write the directory may have written the file, so an attacher reads the trailer
+with pread (nothing mapped yet), checks the geometry it names against the file's size, the
+layout's bounds and the caller's own expectation (`accept`), and only then maps exactly that
+many bytes, without MAP_POPULATE: populating a tmpfs mapping allocates every page, and the size
+is not the attacher's choice. Only the creator, which sized and allocated the file itself,
+populates its page tables up front.
 """
 
 from __future__ import annotations
@@ -14,8 +21,10 @@ import mmap
 import os
 import re
 import secrets
+from collections.abc import Callable
 
-from kvshm.ipc.errors import RingConfigError
+from kvshm.ipc.errors import RingConfigError, RingFormatError
+from kvshm.ipc.layout import LINE, RingLayout
 from kvshm.region import safefile
 from kvshm.region.naming import INSTANCE_ID_PATTERN
 
@@ -60,16 +69,19 @@ def check_ring_file_mode(file_mode: int) -> int:
 class RingFile:
     """One ring file, open read-write and mapped shared by this process."""
 
-    def __init__(self, directory: str, name: str, dir_fd: int, fd: int, is_creator: bool) -> None:
+    def __init__(
+        self, directory: str, name: str, dir_fd: int, fd: int, is_creator: bool, size: int
+    ) -> None:
         self.directory = directory
         self.name = name
         self.is_creator = is_creator
         self._dir_fd = dir_fd
         self._fd = fd
-        self.size = os.fstat(fd).st_size
-        # MAP_POPULATE: page tables filled now, so no message pays for first-touch faults
-        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
-        self.mapping = mmap.mmap(fd, self.size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.size = size
+        # The creator chose the size and allocated it: MAP_POPULATE fills the page tables now,
+        # so no message pays for first-touch faults. An attacher never populates (see above).
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if is_creator else 0)
+        self.mapping = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
 
     @property
     def path(self) -> str:
@@ -102,7 +114,7 @@ class RingFile:
             if owner is not None:
                 os.fchown(fd, *owner)
             _allocate(fd, size, os.path.join(directory, name))
-            return cls(directory, name, dir_fd, fd, is_creator=True)
+            return cls(directory, name, dir_fd, fd, is_creator=True, size=size)
         except BaseException:
             os.unlink(name, dir_fd=dir_fd)
             os.close(fd)
@@ -110,25 +122,59 @@ class RingFile:
             raise
 
     @classmethod
-    def open(cls, directory: str, name: str) -> RingFile | None:
-        """Map an existing ring file; None while it is still empty (its creator is sizing it).
-
-        FileNotFoundError if there is none.
-        """
+    def open(
+        cls, directory: str, name: str, accept: Callable[[RingLayout], bool] | None = None
+    ) -> tuple[RingFile, RingLayout] | None:
+        """Map an existing ring file and say its layout; None while its creator has not
+        finished it (no trailer yet). FileNotFoundError if there is none; RingFormatError if
+        its trailer is damaged, does not match its size, or names a layout `accept` refuses.
+        Nothing is mapped before all of that is checked."""
+        path = os.path.join(directory, name)
         dir_fd = safefile.open_directory(directory)
         fd = -1
         try:
-            fd = safefile.open_existing(dir_fd, check_name(name), os.path.join(directory, name))
-            if os.fstat(fd).st_size == 0:
-                os.close(fd)
-                os.close(dir_fd)
-                return None
-            return cls(directory, name, dir_fd, fd, is_creator=False)
+            fd = safefile.open_existing(dir_fd, check_name(name), path)
+            size = os.fstat(fd).st_size
+            layout = (
+                RingLayout.from_trailer(os.pread(fd, LINE, size - LINE), size, path)
+                if size >= LINE
+                else None
+            )
+            if layout is not None and accept is not None and not accept(layout):
+                raise RingFormatError(
+                    f"{path} is a ring of {layout.n_reader} readers and {layout.max_chunks} "
+                    f"chunks of {layout.max_chunk_bytes} bytes, not one this process accepts; "
+                    f"it was not mapped"
+                )
         except BaseException:
             if fd >= 0:
                 os.close(fd)
             os.close(dir_fd)
             raise
+        if layout is None:
+            os.close(fd)
+            os.close(dir_fd)
+            return None
+        return cls(directory, name, dir_fd, fd, False, layout.total_bytes), layout
+
+    def rename(self, name: str) -> None:
+        """Give the file another name in its directory, replacing whatever had that name (a
+        symlink there is replaced, never followed)."""
+        os.rename(self.name, check_name(name), src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        self.name = name
+
+    def stat(self) -> os.stat_result:
+        """The open file's own status (whatever its name refers to by now)."""
+        return os.fstat(self._fd)
+
+    def set_owner_and_mode(self, uid: int, gid: int, mode: int) -> None:
+        """Owner and mode of the open file itself, never of whatever its name refers to."""
+        check_ring_file_mode(mode)
+        st = os.fstat(self._fd)
+        if (st.st_uid, st.st_gid) != (uid, gid):
+            os.fchown(self._fd, uid, gid)
+        if st.st_mode & 0o7777 != mode:
+            os.fchmod(self._fd, mode)
 
     def reopen(self) -> int:
         """A new open file description of this same file (even if it was unlinked).

@@ -3,6 +3,11 @@
 Every open is relative to a directory file descriptor, never follows a symlink, never opens
 anything but a regular file with a single link, and checks the inode it got is the one it
 looked at (a file swapped in between is refused, not used).
+
+"Never opens" is literal: an existing name is first taken with O_PATH (which opens nothing: a
+FIFO's other end sees no reader, a device's driver is not called), the inode is checked through
+that handle, and only that same inode is then opened, through /proc/self/fd. A FIFO swapped in
+between a check and an open cannot be opened, because nothing is looked up by name twice.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 
 from kvshm.region.errors import UnsafePathError
 
@@ -66,27 +72,41 @@ def create_exclusive(dir_fd: int, name: str, mode: int) -> int | None:
     return fd
 
 
-def open_existing(dir_fd: int, name: str, path: str) -> int:
-    """Open an existing regular file read-write. FileNotFoundError if there is none."""
-    before = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    check_regular(before, path)
+def open_checked(
+    name: str,
+    flags: int,
+    path: str,
+    dir_fd: int | None = None,
+    check: Callable[[os.stat_result, str], None] = check_regular,
+    follow_symlinks: bool = False,
+) -> int:
+    """Open `name` (relative to dir_fd) with `flags` only if `check` accepts the inode, which is
+    looked up once, with O_PATH (and O_NOFOLLOW unless follow_symlinks: only for names the
+    caller trusts), and checked before it is opened. FileNotFoundError if there is none."""
+    lookup = os.O_PATH | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    handle = os.open(name, lookup, dir_fd=dir_fd)
     try:
-        fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafePathError(
-                errno.ELOOP, f"{path} became a symbolic link while being opened; refused"
-            ) from exc
-        raise
+        before = os.fstat(handle)
+        check(before, path)  # a symlink is the link itself here: refused, never followed
+        # the magic link names the very inode the handle holds, whatever the name is by now
+        fd = os.open(f"/proc/self/fd/{handle}", flags | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+    finally:
+        os.close(handle)
     try:
         after = os.fstat(fd)
-        check_regular(after, path)
+        check(after, path)
         if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
             raise UnsafePathError(errno.EAGAIN, f"{path} was replaced while being opened; refused")
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def open_existing(dir_fd: int, name: str, path: str) -> int:
+    """Open an existing regular single-link file read-write. FileNotFoundError if there is
+    none."""
+    return open_checked(name, os.O_RDWR, path, dir_fd)
 
 
 def is_same_file(dir_fd: int, name: str, fd: int) -> bool:

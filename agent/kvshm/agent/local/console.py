@@ -7,6 +7,7 @@ import time
 from typing import TextIO
 
 from kvshm.agent.gate import ReportGate
+from kvshm.agent.printable import encodable, printable
 from kvshm.agent.reports import EventReason, NodeInventory, NodeReport, PassResult
 from kvshm.agent.sizes import format_bytes
 from kvshm.api import NodeRegionPhase
@@ -106,8 +107,12 @@ class ConsoleSink:
 
     def close(self) -> None:
         if self._last is not None:
-            self._out.write(format_table(self._last.reports, self._last.inventory) + "\n")
+            table = format_table(self._last.reports, self._last.inventory)
+            lines = [printable(line) for line in table.split("\n")]
+            self._out.write(encodable("\n".join(lines) + "\n", self._out))
             self._out.flush()
 
     def _print(self, line: str) -> None:
-        self._out.write(f"{time.strftime('%H:%M:%S')}  {line}\n")
+        # tenants choose file names that reach these lines: escapes are printed, not obeyed
+        text = f"{time.strftime('%H:%M:%S')}  {printable(line)}\n"
+        self._out.write(encodable(text, self._out))

@@ -4,11 +4,17 @@ Same schema as the CRD (kvshm.api parses both). The directory is polled about on
 (a stat per file; files are parsed again only when they change). A file that stops parsing keeps
 the regions it had (an editor's half-written save must not drain a region); a file that is
 deleted takes its regions away, and the agent drains and removes them.
+
+Parsing costs are bounded: a file is read only if it is a regular file of at most
+MAX_FILE_BYTES, and YAML aliases are refused (a kilobyte of nested aliases expands to gigabytes:
+the "billion laughs"), so one bad file costs a problem line, never the agent's memory or a pass.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,8 +24,11 @@ import yaml
 
 from kvshm.agent.view import ClusterView, KnownRegion
 from kvshm.api import REGION_KIND, SpecError, parse_offload_region
+from kvshm.region import safefile
+from kvshm.region.safefile import describe_file_type
 
 _SUFFIXES = (".yaml", ".yml")
+MAX_FILE_BYTES = 1 << 20  # a thousand regions' manifests; anything larger is refused unread
 Signature = tuple[tuple[str, int, int, int], ...]
 
 
@@ -46,6 +55,43 @@ def with_local_owner(manifest: Mapping[str, Any], uid: int, gid: int) -> dict[st
             spec["access"] = access
         result["spec"] = spec
     return result
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader that refuses aliases (and so merge keys): without them a document's size in
+    memory is proportional to its text."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"found the alias *{event.anchor}; aliases and merge keys (<<) are not accepted "
+                f"in region files (they can expand without bound): write the values out",
+                event.start_mark,
+            )
+        return super().compose_node(parent, index)
+
+
+def _check_regular(st: os.stat_result, path: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EINVAL, f"not a regular file but {describe_file_type(st.st_mode)}")
+
+
+def read_bounded(path: str) -> str:
+    """The file's text, if it is (or links to) a regular file of at most MAX_FILE_BYTES: a FIFO
+    or device is never opened. Symlinks are followed: the directory is the operator's own, and
+    a ConfigMap mounted there is made of them."""
+    fd = safefile.open_checked(path, os.O_RDONLY, path, check=_check_regular, follow_symlinks=True)
+    with os.fdopen(fd, "rb") as stream:
+        data = stream.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise OSError(
+            errno.EFBIG,
+            f"larger than {MAX_FILE_BYTES} bytes; split the regions over several files",
+        )
+    return data.decode("utf-8")
 
 
 def _document_key(document: Mapping[str, Any]) -> str | None:
@@ -105,9 +151,14 @@ class LocalDirectorySource:
             problems.extend(parsed.problems)
             for key, known in parsed.regions.items():
                 if key in origin:
-                    problems.append(
-                        f"{name}: region {key} is already defined in {origin[key]}; ignored here"
+                    # which one is meant is not the agent's guess: refuse the region until one
+                    # definition goes (one that exists is kept as it is, like any refused spec)
+                    clash = (
+                        f"region {key} is defined in both {origin[key]} and {name}; remove one "
+                        f"of the two definitions"
                     )
+                    problems.append(clash)
+                    invalid[key] = clash
                     continue
                 origin[key] = name
                 regions[key] = known
@@ -154,15 +205,17 @@ class LocalDirectorySource:
         if cached is not None and cached.signature == signature:
             return cached
         try:
-            with open(path, encoding="utf-8") as stream:
-                documents = [d for d in yaml.safe_load_all(stream) if d is not None]
+            text = read_bounded(path)
+            documents = [d for d in yaml.load_all(text, Loader=_NoAliasLoader) if d is not None]
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             kept = cached.regions if cached else {}
             problem = (
                 f"{path} could not be read as YAML ({exc}); "
                 + (f"its regions {', '.join(sorted(kept))} are kept as they were" if kept else "")
             ).rstrip("; ")
-            return _FileRegions(signature, dict(kept), {}, [problem])
+            failed = _FileRegions(signature, dict(kept), {}, [problem])
+            self._files[name] = failed  # read again only once it changes
+            return failed
         parsed = self._parse(path, documents, signature)
         self._files[name] = parsed
         return parsed

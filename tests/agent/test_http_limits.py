@@ -1,0 +1,92 @@
+"""The metrics/health endpoint against idle and slow connections (issue 15, item 3)."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from kvshm.agent.server import AgentHttpServer, Health
+from tests.agent.hostile import RunningAgent, tenant_manifest, tenant_process, write_regions
+from tests.waiting import wait_for
+
+_IDLE_CONNECTIONS = """
+import socket, sys, time
+host, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+held = [socket.create_connection((host, port), timeout=10) for _ in range(count)]
+print("holding", len(held), flush=True)
+time.sleep(120)
+"""
+
+
+def _get(url: str, timeout: float = 3) -> tuple[int, float]:
+    started = time.monotonic()
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        reply.read()
+        return reply.status, time.monotonic() - started
+
+
+def test_200_idle_connections_hold_no_threads_and_healthz_answers(shm_dir: Path) -> None:
+    regions = shm_dir / "regions"
+    regions.mkdir()
+    write_regions(regions, "before.yaml", tenant_manifest("before"))
+    # the issue's setting: 128 descriptors, where 200 idle connections wedged every pass
+    with RunningAgent(regions, shm_dir / "root", "--port", "0", nofile=128) as agent:
+        agent.saw("tenant/before  Ready")
+        baseline_threads = agent.threads()
+        host, port = agent.url.removeprefix("http://").rsplit(":", 1)
+        attacker = tenant_process(_IDLE_CONNECTIONS, host, port, "200")
+        try:
+            assert attacker.stdout is not None
+            assert attacker.stdout.readline().startswith("holding 200")
+            for _ in range(10):
+                status, seconds = _get(agent.url + "/healthz")
+                assert status == 200 and seconds < 2
+            # no thread per connection, descriptors bounded by the connection cap
+            assert agent.threads() <= baseline_threads + 1
+            assert agent.descriptors() < 128
+            # the agent still serves regions: a new one goes Ready while the attack goes on
+            write_regions(regions, "after.yaml", tenant_manifest("after"))
+            agent.saw("tenant/after  Ready")
+            # idle connections are closed after the request timeout, though the attacker
+            # still holds its ends open
+            wait_for(lambda: agent.descriptors() < 40, 15, "idle connections closed")
+            assert attacker.poll() is None
+        finally:
+            attacker.kill()
+            attacker.wait()
+
+
+def test_a_slow_request_is_cut_off_and_the_oldest_idle_connection_makes_room() -> None:
+    health = Health(stale_after_seconds=60)
+    health.passed()
+    server = AgentHttpServer(
+        "127.0.0.1", 0, CollectorRegistry(), health, max_connections=4, request_timeout=0.5
+    )
+    server.start()
+    try:
+        address = ("127.0.0.1", server.server_port)
+        slow = socket.create_connection(address)
+        slow.sendall(b"GET /heal")  # never finishes its request line
+        started = time.monotonic()
+        slow.settimeout(5)
+        answer = slow.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 2
+        idle = [socket.create_connection(address) for _ in range(4)]
+        wait_for(lambda: server.connections == 4, 5, "four idle connections accepted")
+        status, _ = _get(f"http://127.0.0.1:{server.server_port}/healthz")
+        assert status == 200 and server.evicted >= 1
+        idle[0].settimeout(5)
+        assert idle[0].recv(1) == b""  # the oldest was closed to make room
+        oversized = socket.create_connection(address)
+        oversized.sendall(b"GET /" + b"x" * 9000)
+        oversized.settimeout(5)
+        assert oversized.recv(4096).startswith(b"HTTP/1.1 431")
+        for each in (slow, oversized, *idle):
+            each.close()
+    finally:
+        server.shutdown()
+        server.server_close()
