@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,27 @@ def test_an_attacher_refuses_a_symlink_for_a_later_file(shm_dir: Path) -> None:
     os.symlink(target, shm_dir / "vllm_offload_seg.mmap.1")
     with pytest.raises(UnsafePathError, match="symbolic link"):
         open_region(shm_dir, mode=OpenMode.ATTACH)
+
+
+def test_an_attacher_never_opens_a_fifo_in_place_of_a_later_file(shm_dir: Path) -> None:
+    _leave_region(shm_dir)
+    fifo = shm_dir / "vllm_offload_seg.mmap.1"
+    os.unlink(fifo)
+    os.mkfifo(fifo, 0o600)
+    opened = threading.Event()
+
+    def writer() -> None:  # returns only once someone opened the FIFO for reading
+        os.close(os.open(fifo, os.O_WRONLY))
+        opened.set()
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    with pytest.raises(UnsafePathError, match="FIFO"):
+        open_region(shm_dir, mode=OpenMode.ATTACH)
+    assert not opened.wait(0.5)  # the attacher refused the FIFO without opening it
+    os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # let the writer go
+    thread.join(5)
+    assert opened.is_set()
 
 
 def test_a_single_file_region_of_the_same_size_is_not_taken_for_a_segmented_one(
