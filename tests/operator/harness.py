@@ -21,6 +21,7 @@ from kopf.testing import KopfRunner
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
 from kvshm.operator.config import ENV_PREFIX, OperatorConfig
 from kvshm.operator.main import register
+from tests.envtest.fixtures import CHART_NAMESPACE
 from tests.waiting import wait_for
 
 NAMESPACE = "team"
@@ -118,7 +119,9 @@ class Cluster:
     def events(self, name: str) -> list[dict[str, Any]]:
         """Events about an object of this name, newest last, as (reason, message) dicts."""
         found = []
-        for namespace in (self.namespace, "default"):
+        # cluster-scoped objects' Events: the agent posts to `default`, kopf to its own
+        # namespace (the chart's, as in a pod)
+        for namespace in (self.namespace, "default", CHART_NAMESPACE):
             for event in self.core.list_namespaced_event(namespace).items:
                 if event.involved_object.name == name:
                     found.append({"reason": event.reason, "message": event.message})
