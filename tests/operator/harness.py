@@ -1,5 +1,6 @@
-"""A small cluster for the operator's integration tests: the API server emulator, Nodes, real
-`kvshm-agent` processes on real tmpfs roots, and the operator (in this process or another).
+"""A small cluster for the operator's integration tests: a real API server (tests/envtest),
+Nodes, real `kvshm-agent` processes on real tmpfs roots, and the operator (in this process or
+another).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def config_environment(config: OperatorConfig) -> dict[str, str]:
 
 
 class Cluster:
-    """Synchronous conveniences over an API server (the emulator or a real one), for test
+    """Synchronous conveniences over the API server (as the admin), for test
     bodies: regions are created in `namespace`; `client` is closed by close()."""
 
     def __init__(
