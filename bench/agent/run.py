@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -231,30 +232,34 @@ def idle_local(directory: Path, regions: int, region_mib: int, seconds: float) -
 
 
 def idle_cluster(directory: Path, regions: int, region_mib: int, seconds: float) -> None:
-    """Cluster mode against the test suite's API emulator (in this process; not sampled)."""
+    """Cluster mode against a real kube-apiserver (tests/envtest: $KUBEBUILDER_ASSETS or
+    .tools/envtest), the agent with the chart's agent ServiceAccount token."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from tests.kube.runner import start_kube_api
+    import kubernetes
+    from tests.envtest.chart import apply_crds, install_rbac, service_account_token
+    from tests.envtest.server import start_envtest
 
-    api = start_kube_api()
-    try:
-        api.create("", "v1", "namespaces", {"metadata": {"name": "bench"}})
-        api.create("", "v1", "nodes", {"metadata": {"name": "bench-node"}})
+    with start_envtest() as server, server.api_client() as admin:
+        apply_crds(admin)
+        install_rbac(admin, "kvshm-system")
+        core = kubernetes.client.CoreV1Api(admin)
+        custom = kubernetes.client.CustomObjectsApi(admin)
+        core.create_namespace({"metadata": {"name": "bench"}})
+        core.create_node({"metadata": {"name": "bench-node"}})
         for index in range(regions):
-            api.create(
-                "kvshm.dev",
-                "v1alpha1",
-                "offloadregions",
-                region_manifest(f"idle-{index:03d}", region_mib << 20),
-                "bench",
+            manifest = region_manifest(f"idle-{index:03d}", region_mib << 20)
+            custom.create_namespaced_custom_object(
+                "kvshm.dev", "v1alpha1", "bench", "offloadregions", manifest
             )
-        kubeconfig = api.write_kubeconfig(directory / "kubeconfig")
+        token = service_account_token(admin, "kvshm-system", "kvshm-agent")
+        kubeconfig = server.write_kubeconfig(directory / "kubeconfig", token)
         command = _agent_command(
             directory, "--kubeconfig", str(kubeconfig), "--node-name", "bench-node"
         )
         agent = subprocess.Popen(command, stdout=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 300
-            while _ready_regions(api) < regions:
+            while _ready_regions(custom) < regions:
                 if time.monotonic() > deadline or agent.poll() is not None:
                     raise SystemExit("not every region became Ready in cluster mode")
                 time.sleep(0.5)
@@ -262,17 +267,13 @@ def idle_cluster(directory: Path, regions: int, region_mib: int, seconds: float)
         finally:
             agent.terminate()
             agent.wait(30)
-    finally:
-        api.stop()
     _print_idle("cluster mode (resync 30s, two watches)", regions, region_mib, seconds, sample)
 
 
-def _ready_regions(api: object) -> int:
-    items = api.call(  # type: ignore[attr-defined]
-        lambda store: store.list_objects(
-            store.resource("kvshm.dev", "v1alpha1", "offloadregions"), "bench", lambda _: True
-        )
-    )
+def _ready_regions(custom: Any) -> int:
+    items = custom.list_namespaced_custom_object(
+        "kvshm.dev", "v1alpha1", "bench", "offloadregions"
+    )["items"]
     return sum(
         ((item.get("status") or {}).get("nodes") or {}).get("bench-node", {}).get("phase")
         == "Ready"
@@ -294,7 +295,9 @@ def main() -> None:
     parser.add_argument("--idle-region-mib", type=int, default=4)
     parser.add_argument("--idle-seconds", type=float, default=30.0)
     parser.add_argument(
-        "--cluster", action="store_true", help="also idle in cluster mode (the test emulator)"
+        "--cluster",
+        action="store_true",
+        help="also idle in cluster mode (a real kube-apiserver, tests/envtest)",
     )
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="kvshm-bench-agent-", dir=args.directory))

@@ -3,7 +3,7 @@
 Each simulated node has an OffloadNode with a heartbeat and an inventory, reports every region
 placed on it through status.nodes.<node> (Creating, then Ready), reports Removed when a region
 is deleted, and answers the reclaims the operator writes into its spec. One watch per resource
-serves every node, so the emulator, not the simulation, is what a large fleet costs.
+serves every node, so the API server, not the simulation, is what a large fleet costs.
 """
 
 from __future__ import annotations

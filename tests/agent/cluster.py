@@ -1,5 +1,6 @@
 """Cluster-mode test helpers: agents built exactly as `kvshm-agent` builds them, run in threads
-(or as processes) against the Kubernetes API emulator."""
+(or as processes) against the real API server (tests/envtest) with the chart's agent
+ServiceAccount token; the test body looks on as the admin."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import kubernetes
 
 from kvshm.agent.app import AgentApp, build_app
 from kvshm.agent.cli import build_parser
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
-from tests.kube.runner import KubeApi
+from tests.operator.harness import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,82 +72,91 @@ def agent_process(kubeconfig: Path, node: str, root: Path, *extra: str) -> subpr
     )
 
 
-def setup_cluster(api: KubeApi, *namespaces: str, nodes: dict[str, dict[str, str]]) -> None:
-    for namespace in namespaces:
-        api.create("", "v1", "namespaces", {"metadata": {"name": namespace}})
-    for node, labels in nodes.items():
-        api.create("", "v1", "nodes", {"metadata": {"name": node, "labels": labels}})
+class AgentCluster(Cluster):
+    """The admin's view for the agent's tests: whole manifests, one node's status entry,
+    the writes an operator or another agent would make, and Events as the server keeps them."""
 
-
-def create_region(api: KubeApi, manifest: dict[str, Any]) -> dict[str, Any]:
-    manifest = {**manifest, "metadata": dict(manifest["metadata"])}
-    manifest["metadata"].pop("uid", None)
-    namespace = manifest["metadata"]["namespace"]
-    return api.create(GROUP, VERSION, REGION_PLURAL, manifest, namespace)
-
-
-def get_region(api: KubeApi, namespace: str, name: str) -> dict[str, Any]:
-    return api.get(GROUP, VERSION, REGION_PLURAL, name, namespace)
-
-
-def node_status(api: KubeApi, region: dict[str, Any], node: str) -> dict[str, Any]:
-    metadata = region["metadata"]
-    current = get_region(api, metadata["namespace"], metadata["name"])
-    nodes: dict[str, dict[str, Any]] = (current.get("status") or {}).get("nodes") or {}
-    return nodes.get(node) or {}
-
-
-def phase_of(api: KubeApi, region: dict[str, Any], node: str) -> str:
-    return str(node_status(api, region, node).get("phase", ""))
-
-
-def offload_node(api: KubeApi, node: str) -> dict[str, Any]:
-    return api.get(GROUP, VERSION, NODE_PLURAL, node)
-
-
-def region_patches(api: KubeApi, name: str) -> list[dict[str, Any]]:
-    """Bodies of the status patches sent to one region, in order."""
-    return [
-        r.data
-        for r in api.requests
-        if r.method == "PATCH"
-        and r.subresource == "status"
-        and r.name == name
-        and "offloadregions" in str(r.url)
-    ]
-
-
-def patch_region(api: KubeApi, namespace: str, name: str, patch: dict[str, Any]) -> None:
-    api.call(
-        lambda s: s.patch(
-            s.resource(GROUP, VERSION, REGION_PLURAL),
-            namespace,
-            name,
-            "application/merge-patch+json",
-            patch,
-            None,
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        body = {**manifest, "metadata": dict(manifest["metadata"])}
+        body["metadata"].pop("uid", None)  # the server gives it
+        namespace = body["metadata"].setdefault("namespace", self.namespace)
+        created: dict[str, Any] = self.custom.create_namespaced_custom_object(  # type: ignore[assignment]
+            GROUP, VERSION, namespace, REGION_PLURAL, body
         )
-    )
+        return created
 
+    def node_status(self, name: str, node: str, namespace: str | None = None) -> dict[str, Any]:
+        region = self._get(name, namespace or self.namespace) or {}
+        nodes: dict[str, dict[str, Any]] = (region.get("status") or {}).get("nodes") or {}
+        return nodes.get(node) or {}
 
-def delete_region(api: KubeApi, namespace: str, name: str) -> None:
-    api.call(lambda s: s.delete(s.resource(GROUP, VERSION, REGION_PLURAL), namespace, name))
+    def phase_on(self, name: str, node: str, namespace: str | None = None) -> str:
+        return str(self.node_status(name, node, namespace).get("phase", ""))
 
+    def _get(self, name: str, namespace: str) -> dict[str, Any] | None:
+        try:
+            found: dict[str, Any] = self.custom.get_namespaced_custom_object(  # type: ignore[assignment]
+                GROUP, VERSION, namespace, REGION_PLURAL, name
+            )
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return found
 
-def patch_offload_node_spec(api: KubeApi, node: str, spec: dict[str, Any]) -> None:
-    api.call(
-        lambda s: s.patch(
-            s.resource(GROUP, VERSION, NODE_PLURAL),
-            None,
-            node,
-            "application/merge-patch+json",
-            {"spec": spec},
-            None,
+    def patch_region(self, name: str, patch: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, REGION_PLURAL, name, patch
         )
-    )
 
+    def patch_region_status(self, name: str, patch: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, self.namespace, REGION_PLURAL, name, patch
+        )
 
-def events(api: KubeApi, namespace: str) -> list[dict[str, Any]]:
-    return api.call(
-        lambda s: s.list_objects(s.resource("", "v1", "events"), namespace, lambda _: True)
-    )
+    def patch_offload_node_spec(self, node: str, spec: dict[str, Any]) -> None:
+        self.custom.patch_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, node, {"spec": spec})
+
+    def delete_offload_node(self, node: str) -> None:
+        self.custom.delete_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, node)
+
+    def node_status_of(self, node: str) -> dict[str, Any]:
+        """The OffloadNode's status ({} while there is none)."""
+        return (self.offload_node(node) or {}).get("status") or {}
+
+    def all_events(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Core v1 Events of a namespace as the server serialises them (camelCase keys)."""
+        listed = self.core.list_namespaced_event(namespace or self.namespace)
+        items: list[dict[str, Any]] = self.client.sanitize_for_serialization(listed)["items"]
+        return items
+
+    def clear_events(self, namespace: str) -> None:
+        """Forget Events of earlier tests (cluster-scoped objects' Events land in `default`)."""
+        self.core.delete_collection_namespaced_event(namespace)
+
+    def status_history(
+        self,
+        region: dict[str, Any],
+        until: Callable[[dict[str, Any]], bool],
+        timeout: float = 30.0,
+    ) -> list[dict[str, Any]]:
+        """Every status the region has had since `region` (as created or read: a watch from
+        its resourceVersion, so no write is missed), up to the first for which until() holds."""
+        metadata = region["metadata"]
+        seen: list[dict[str, Any]] = []
+        watch = kubernetes.watch.Watch()
+        for event in watch.stream(
+            self.custom.list_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            metadata["namespace"],
+            REGION_PLURAL,
+            field_selector=f"metadata.name={metadata['name']}",
+            resource_version=metadata["resourceVersion"],
+            timeout_seconds=int(timeout),
+        ):
+            seen.append(event["object"].get("status") or {})
+            if until(seen[-1]):
+                watch.stop()
+                return seen
+        raise AssertionError(f"{metadata['name']} not there in {timeout}s; statuses: {seen}")

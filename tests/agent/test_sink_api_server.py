@@ -13,9 +13,9 @@ from kvshm.agent.reports import AgentEvent, EventReason, NodeReport, PassResult
 from kvshm.api import GROUP, REGION_PLURAL, VERSION, NodeRegionPhase
 from kvshm.operator.reports import NodeReport as OperatorNodeReport
 from kvshm.operator.reports import parse_node_reports
+from tests.envtest import manifests
 from tests.envtest.fixtures import ChartAccounts
 from tests.envtest.server import EnvTest
-from tests.kube import manifests
 
 # The longest names Kubernetes allows: a Node (and so an OffloadNode) and a region, each a DNS
 # subdomain of 253 characters.

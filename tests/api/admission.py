@@ -1,35 +1,17 @@
-"""What the API server (the emulator, with the project's CRDs) makes of an OffloadRegion."""
+"""The project's CRDs as shipped (charts/kvshm/crds/), and walks over their schemas."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from tests.kube.errors import ApiError
-from tests.kube.resources import CRD_TYPE
-from tests.kube.runner import CRD_DIR, load_crds
-from tests.kube.store import Store
+from tests.envtest.chart import CRDS, load_documents
 
-REGION_CRD = next(c for c in load_crds(CRD_DIR) if c["spec"]["names"]["kind"] == "OffloadRegion")
+CRD_DOCUMENTS = [
+    doc for path in sorted(CRDS.glob("*.yaml")) for doc in load_documents(path.read_text())
+]
+REGION_CRD = next(c for c in CRD_DOCUMENTS if c["spec"]["names"]["kind"] == "OffloadRegion")
 REGION_SCHEMA: Mapping[str, Any] = REGION_CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-
-
-def fresh_store() -> Store:
-    store = Store()
-    store.create(CRD_TYPE, None, copy.deepcopy(REGION_CRD))
-    return store
-
-
-def admit(manifest: Mapping[str, Any], store: Store | None = None) -> dict[str, Any] | ApiError:
-    """The stored object (defaults applied) or the API server's refusal."""
-    store = store or fresh_store()
-    regions = store.resource("kvshm.dev", "v1alpha1", "offloadregions")
-    namespace = (manifest.get("metadata") or {}).get("namespace") or "default"
-    try:
-        return store.create(regions, namespace, copy.deepcopy(dict(manifest)))
-    except ApiError as exc:
-        return exc
 
 
 def schema_nodes(

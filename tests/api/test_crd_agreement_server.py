@@ -1,11 +1,12 @@
-"""The same agreement as test_crd_agreement.py, with the real kube-apiserver as the judge:
-every manifest of its tables is created (dry run) in the real server, which must accept and
-default exactly what parse_offload_region accepts, and refuse (422, naming the field) what it
-refuses."""
+"""parse_offload_region and the real kube-apiserver (tests/envtest) with the CRD agree: every
+manifest of test_crd_agreement.py's tables is created (dry run) in the real server, which must
+accept and default exactly what parse_offload_region accepts, and refuse (422, naming the
+field) what it refuses; every CEL rule of the CRD refuses one of them."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from kvshm.api import GROUP, REGION_PLURAL, VERSION, SpecError, parse_offload_region
+from tests.api.admission import REGION_SCHEMA, rules
 from tests.api.test_crd_agreement import BAD, DEMO, GOOD, manifest_for, setting, spec_of
 from tests.envtest.chart import ensure_namespace
 
@@ -37,7 +39,7 @@ def dry_run_create(client: kubernetes.client.ApiClient, manifest: dict[str, Any]
 
 
 def server_spelling(field: str) -> str:
-    """The emulator's field path as the API server writes it: a map key as `.key` (list
+    """The table's field path as the API server writes it: a map key as `.key` (list
     indexes stay `[i]`), and the object itself (a rule at the root) as `<nil>`."""
     return re.sub(r"\[([^]0-9][^]]*)\]", r".\1", field) or "<nil>"
 
@@ -50,6 +52,9 @@ def test_the_server_accepts_with_the_parsers_defaults(
     stored = dry_run_create(envtest_admin, copy.deepcopy(manifest))
     assert isinstance(stored, dict), f"the API server refused {case}: {stored.body}"
     parsed = parse_offload_region(manifest)
+    meta = stored["metadata"]
+    server_fields = {"uid": meta["uid"], "generation": meta.get("generation", parsed.generation)}
+    assert parse_offload_region(stored) == dataclasses.replace(parsed, **server_fields)
     stored_spec = dict(stored["spec"])
     assert stored_spec.pop("instanceId", stored["metadata"]["name"]) == parsed.instance_id
     placement = stored_spec.get("placement", {})
@@ -109,3 +114,18 @@ def test_unknown_fields_are_refused_by_strict_validation_and_else_dropped(
     stored, headers = response[0], response[2]
     assert "colour" not in stored["spec"] and "x" not in stored["spec"]["layout"]
     assert 'unknown field \\"spec.colour\\"' in headers.get("Warning", "")  # quoted in the header
+
+
+def test_every_rule_of_the_crd_refuses_some_manifest_of_the_table(
+    envtest_admin: kubernetes.client.ApiClient,
+) -> None:
+    """No CEL rule goes untested: each (but the update-only ones) fires for a BAD case."""
+    fired: list[str] = []
+    for edits, _, _ in BAD.values():
+        refused = dry_run_create(envtest_admin, manifest_for(edits))
+        assert isinstance(refused, kubernetes.client.ApiException)
+        fired.append(yaml.safe_load(refused.body)["message"])
+    for path, rule in rules(REGION_SCHEMA):
+        if "oldSelf" in rule["rule"]:
+            continue  # transition rules: test_crd_updates.py
+        assert any(rule["message"] in message for message in fired), (path, rule["rule"])

@@ -1,66 +1,99 @@
-"""Rules that depend on the old object (immutability) and OffloadNode's rules, in the emulator."""
+"""Rules that depend on the old object (immutability) and OffloadNode's rules, in the real API
+server (tests/envtest): its CEL transition rules, list-map keys and enums, as the admin."""
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import kubernetes
 import pytest
+import yaml
 
-from tests.kube.errors import ApiError
-from tests.kube.manifests import offload_node, region
-from tests.kube.resources import CRD_TYPE
-from tests.kube.runner import load_crds
-from tests.kube.store import Store
+from kvshm.api import GROUP, NODE_KIND, NODE_PLURAL, REGION_KIND, REGION_PLURAL, VERSION
 
-MERGE = "application/merge-patch+json"
+
+class Objects:
+    """Creates and merge-patches OffloadRegions (in a fresh namespace) and OffloadNodes."""
+
+    def __init__(self, client: kubernetes.client.ApiClient, namespace: str) -> None:
+        self.custom = kubernetes.client.CustomObjectsApi(client)
+        self.namespace = namespace
+
+    def create_region(self, name: str = "r1", **spec: Any) -> dict[str, Any]:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": REGION_KIND,
+            "metadata": {"name": name},
+            "spec": {"layout": {"numBlocks": 16, "cpuPageSize": 4096}, **spec},
+        }
+        created: dict[str, Any] = self.custom.create_namespaced_custom_object(  # type: ignore[assignment]
+            GROUP, VERSION, self.namespace, REGION_PLURAL, body
+        )
+        return created
+
+    def patch_region(self, body: dict[str, Any], name: str = "r1") -> dict[str, Any]:
+        patched: dict[str, Any] = self.custom.patch_namespaced_custom_object(  # type: ignore[assignment]
+            GROUP, VERSION, self.namespace, REGION_PLURAL, name, body
+        )
+        return patched
+
+    def create_node(self, reclaims: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": NODE_KIND,
+            "metadata": {"name": "n1"},
+        }
+        if reclaims is not None:
+            body["spec"] = {"reclaims": reclaims}
+        created: dict[str, Any] = self.custom.create_cluster_custom_object(  # type: ignore[assignment]
+            GROUP, VERSION, NODE_PLURAL, body
+        )
+        return created
+
+    def patch_node_status(self, body: dict[str, Any]) -> dict[str, Any]:
+        patched: dict[str, Any] = self.custom.patch_cluster_custom_object_status(  # type: ignore[assignment]
+            GROUP, VERSION, NODE_PLURAL, "n1", body
+        )
+        return patched
 
 
 @pytest.fixture
-def store() -> Store:
-    store = Store()
-    for crd in load_crds():
-        store.create(CRD_TYPE, None, copy.deepcopy(crd))
-    return store
+def objects(
+    envtest_admin: kubernetes.client.ApiClient, envtest_namespace: str
+) -> Iterator[Objects]:
+    yield Objects(envtest_admin, envtest_namespace)  # the namespace fixture deletes OffloadNodes
 
 
-def patch_region(store: Store, body: dict[str, Any], name: str = "r1") -> dict[str, Any]:
-    regions = store.resource("kvshm.dev", "v1alpha1", "offloadregions")
-    return store.patch(regions, "default", name, MERGE, body, None)
-
-
-def create_region(store: Store, **spec: Any) -> dict[str, Any]:
-    regions = store.resource("kvshm.dev", "v1alpha1", "offloadregions")
-    return store.create(regions, "default", region("r1", **spec))
-
-
-def refusal(call: Any, *args: Any) -> str:
-    with pytest.raises(ApiError) as raised:
+def refusal(call: Callable[..., Any], *args: Any) -> str:
+    """The server's message refusing call(*args) (422 Invalid)."""
+    with pytest.raises(kubernetes.client.ApiException) as raised:
         call(*args)
-    assert raised.value.code == 422, raised.value
-    return raised.value.message
+    assert raised.value.status == 422, raised.value.body
+    message: str = yaml.safe_load(raised.value.body)["message"]
+    return message
 
 
 @pytest.mark.parametrize(
     "change", [{"numBlocks": 32}, {"format": "unpadded"}, {"replicated": True}], ids=str
 )
-def test_layout_cannot_change(store: Store, change: dict[str, object]) -> None:
-    create_region(store)
-    message = refusal(patch_region, store, {"spec": {"layout": change}})
+def test_layout_cannot_change(objects: Objects, change: dict[str, object]) -> None:
+    objects.create_region()
+    message = refusal(objects.patch_region, {"spec": {"layout": change}})
     assert "spec.layout" in message and "immutable" in message
 
 
-def test_instance_id_cannot_change_nor_come_nor_go(store: Store) -> None:
-    create_region(store, instanceId="engine-a")
-    assert "immutable" in refusal(patch_region, store, {"spec": {"instanceId": "engine-b"}})
-    assert "added or removed" in refusal(patch_region, store, {"spec": {"instanceId": None}})
-    store.create(store.resource("kvshm.dev", "v1alpha1", "offloadregions"), "default", region("r2"))
-    message = refusal(patch_region, store, {"spec": {"instanceId": "r2"}}, "r2")
+def test_instance_id_cannot_change_nor_come_nor_go(objects: Objects) -> None:
+    objects.create_region(instanceId="engine-a")
+    assert "immutable" in refusal(objects.patch_region, {"spec": {"instanceId": "engine-b"}})
+    assert "added or removed" in refusal(objects.patch_region, {"spec": {"instanceId": None}})
+    objects.create_region("r2")
+    message = refusal(objects.patch_region, {"spec": {"instanceId": "r2"}}, "r2")
     assert "added or removed" in message
 
 
-def test_everything_else_may_change_and_counts_as_a_generation(store: Store) -> None:
-    create_region(store)
+def test_everything_else_may_change_and_counts_as_a_generation(objects: Objects) -> None:
+    objects.create_region()
     changes: list[dict[str, Any]] = [
         {"populate": False},
         {"lock": False},
@@ -69,14 +102,7 @@ def test_everything_else_may_change_and_counts_as_a_generation(store: Store) -> 
         {"placement": {"nodeNames": ["n1"]}},
     ]
     for generation, change in enumerate(changes, start=2):
-        assert patch_region(store, {"spec": change})["metadata"]["generation"] == generation
-
-
-def node_with_reclaims(store: Store, reclaims: list[dict[str, Any]]) -> dict[str, Any]:
-    nodes = store.resource("kvshm.dev", "v1alpha1", "offloadnodes")
-    body = offload_node("n1")
-    body["spec"] = {"reclaims": reclaims}
-    return store.create(nodes, None, body)
+        assert objects.patch_region({"spec": change})["metadata"]["generation"] == generation
 
 
 def reclaim(path: str, **extra: Any) -> dict[str, Any]:
@@ -89,33 +115,32 @@ def reclaim(path: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def test_a_reclaim_names_a_file_without_dotdot(store: Store) -> None:
-    ok = node_with_reclaims(store, [reclaim("default/r1/vllm_offload_a.mmap", instanceId="a")])
-    assert ok["spec"]["reclaims"][0]["instanceId"] == "a"
+def test_a_reclaim_names_a_file_without_dotdot(objects: Objects) -> None:
     for path in ("../etc/passwd", "default/../../x", "a/.."):
-        assert "'..'" in refusal(node_with_reclaims, store, [reclaim(path)])
+        assert "'..'" in refusal(objects.create_node, [reclaim(path)])
+    ok = objects.create_node([reclaim("default/r1/vllm_offload_a.mmap", instanceId="a")])
+    assert ok["spec"]["reclaims"][0]["instanceId"] == "a"
 
 
-def test_reclaims_are_one_per_path_and_complete(store: Store) -> None:
-    message = refusal(node_with_reclaims, store, [reclaim("a"), reclaim("a")])
+def test_reclaims_are_one_per_path_and_complete(objects: Objects) -> None:
+    message = refusal(objects.create_node, [reclaim("a"), reclaim("a")])
     assert "Duplicate value" in message
     incomplete = reclaim("a")
     del incomplete["sizeBytes"]
     assert "spec.reclaims[0].sizeBytes: Required value" in refusal(
-        node_with_reclaims, store, [incomplete]
+        objects.create_node, [incomplete]
     )
 
 
-def test_reclaim_results_use_the_outcome_vocabulary(store: Store) -> None:
-    nodes = store.resource("kvshm.dev", "v1alpha1", "offloadnodes")
-    store.create(nodes, None, offload_node("n1"))
+def test_reclaim_results_use_the_outcome_vocabulary(objects: Objects) -> None:
+    objects.create_node()
     result = {
         "path": "a",
         "outcome": "RefusedHeld",
         "message": "pid 42 holds it",
         "time": "2024-01-01T00:00:00Z",
     }
-    store.patch(nodes, None, "n1", MERGE, {"status": {"reclaims": [result]}}, "status")
+    objects.patch_node_status({"status": {"reclaims": [result]}})
     bad = {"status": {"reclaims": [{**result, "outcome": "refused_held"}]}}
-    message = refusal(store.patch, nodes, None, "n1", MERGE, bad, "status")
+    message = refusal(objects.patch_node_status, bad)
     assert '"Done", "RefusedHeld", "RefusedClaimed", "Failed"' in message

@@ -14,7 +14,7 @@ import pytest
 from tests.charts.rendering import EXAMPLE_VALUES, render, values_id
 from tests.charts.tools import TOOLS, run, tool
 
-KUBERNETES_VERSION = "1.32.0"  # the kubectl on the machine; the chart supports >= 1.27
+KUBERNETES_VERSION = "1.32.0"  # the kubectl on the machine; the chart supports >= 1.28
 MONITORING_GROUP = "monitoring.coreos.com/v1"
 MONITORING_MODELS = TOOLS / "node" / "node_modules" / "@kubernetes-models" / "prometheus-operator"
 

@@ -9,9 +9,9 @@ import kubernetes
 import pytest
 
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
+from tests.envtest import manifests
 from tests.envtest.fixtures import ChartAccounts, clean_up
 from tests.envtest.server import EnvTest, MissingAssetsError, assets_dir
-from tests.kube import manifests
 
 
 def test_missing_binaries_are_named_with_how_to_get_them(

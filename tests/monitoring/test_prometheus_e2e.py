@@ -1,7 +1,7 @@
-"""A real Prometheus scraping a real agent (local mode), a real operator (against the API
-emulator) and a serving process moving blocks with kvshm.transfer; then every dashboard
-panel's query and every dashboard variable returns data from it: no PromQL error, no empty
-panel, at least one finite value each."""
+"""A real Prometheus scraping a real agent (local mode), a real operator (against a real API
+server, tests/envtest, as the chart's operator ServiceAccount) and a serving process moving
+blocks with kvshm.transfer; then every dashboard panel's query and every dashboard variable
+returns data from it: no PromQL error, no empty panel, at least one finite value each."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import yaml
 
 from tests.charts.rendering import find, render
 from tests.charts.tools import run
-from tests.kube.runner import KubeApi, start_kube_api
+from tests.envtest.chart import apply, ensure_namespace
+from tests.envtest.fixtures import ChartAccounts, clean_up
 from tests.monitoring.dashboards import queries, variable_queries
 from tests.monitoring.processes import Background, free_port, http_ok, wait_for
 from tests.monitoring.prometheus_server import PrometheusServer
@@ -68,8 +69,8 @@ def _make_orphan(root: Path) -> None:
     path.chmod(0o600)
 
 
-def _start_operator(kube: KubeApi, work: Path) -> tuple[Background, str, str]:
-    kubeconfig = kube.write_kubeconfig(work / "kubeconfig")
+def _start_operator(accounts: ChartAccounts, work: Path) -> tuple[Background, str, str]:
+    kubeconfig = accounts.kubeconfig("operator", work / "kubeconfig")
     port, health = free_port(), free_port()
     operator = Background(
         "operator",
@@ -85,11 +86,11 @@ def _start_operator(kube: KubeApi, work: Path) -> tuple[Background, str, str]:
         work,
         env={"KUBECONFIG": str(kubeconfig)},
     )
-    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
-    kube.call(lambda store: store.create(store.resource("", "v1", "namespaces"), None, namespace))
-    kube.create("kvshm.dev", "v1alpha1", "offloadnodes", offload_node_manifest())
-    for name in ("llama", "mistral"):
-        kube.create("kvshm.dev", "v1alpha1", "offloadregions", region_manifest(name), NAMESPACE)
+    with accounts.server.api_client() as admin:
+        ensure_namespace(admin, NAMESPACE)
+        apply(admin, offload_node_manifest())
+        for name in ("llama", "mistral"):
+            apply(admin, region_manifest(name))
     wait_for(
         "operator liveness", lambda: http_ok(f"http://127.0.0.1:{health}/healthz"), 30, operator
     )
@@ -97,7 +98,9 @@ def _start_operator(kube: KubeApi, work: Path) -> tuple[Background, str, str]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, chart_accounts: ChartAccounts
+) -> Iterator[Stack]:
     work = tmp_path_factory.mktemp("e2e")
     root = Path(tempfile.mkdtemp(prefix="kvshm-e2e-root-", dir="/dev/shm"))
     regions = work / "regions"
@@ -105,7 +108,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     _write_region(regions, "llama")
     _make_orphan(root)
     started: list[Background] = []
-    kube = start_kube_api()
     prometheus = None
     try:
         agent_port = free_port()
@@ -133,7 +135,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             30,
             agent,
         )
-        operator, operator_address, health_address = _start_operator(kube, work)
+        operator, operator_address, health_address = _start_operator(chart_accounts, work)
         started.append(operator)
         serving_port = free_port()
         serving = Background(
@@ -186,7 +188,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             prometheus.stop()
         for process in reversed(started):
             process.stop()
-        kube.stop()
+        with chart_accounts.server.api_client() as admin:
+            clean_up(admin, NAMESPACE)  # the regions (finalizers stripped), the OffloadNode
         shutil.rmtree(root, ignore_errors=True)
 
 

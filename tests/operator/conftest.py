@@ -1,5 +1,6 @@
-"""Fixtures of the operator's integration tests: emulator, two nodes with real agents on a real
-tmpfs, and the operator. Logs of every process are printed when a test fails."""
+"""Fixtures of the operator's integration tests: a real API server (tests/envtest), two nodes
+with real agents on a real tmpfs, and the operator, each with the chart's ServiceAccount token.
+Logs of every process are printed when a test fails."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.envtest.fixtures import CHART_NAMESPACE
 from tests.envtest.server import EnvTest
-from tests.kube.runner import KubeApi
-from tests.operator.harness import NAMESPACE, Agent, Cluster, OperatorProcess
+from tests.operator.harness import Agent, Cluster, OperatorProcess
 from tests.waiting import wait_for
 
 NODES = ("node-a", "node-b")
@@ -18,24 +19,21 @@ NODES = ("node-a", "node-b")
 
 @pytest.fixture
 def cluster(
-    kube_api: KubeApi, kubeconfig: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Cluster]:
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    result = Cluster(kube_api.api_client(), kubeconfig)
-    result.core.create_namespace({"metadata": {"name": NAMESPACE}})
-    for node in NODES:
-        result.add_node(node, {"kvshm.dev/pool": "gpu"})
-    yield result
-    result.close()
-    assert kube_api.handler.failures == [], "the emulator failed on some request"
+    api_cluster: Cluster, operator_kubeconfig: Path, monkeypatch: pytest.MonkeyPatch
+) -> Cluster:
+    """api_cluster, with $KUBECONFIG the chart's operator ServiceAccount: kopf run in this
+    process (operator_in_thread/operator_in_loop) logs in with it. Events of earlier tests
+    about Nodes (kept in `default` and kvshm-system) are deleted."""
+    monkeypatch.setenv("KUBECONFIG", str(operator_kubeconfig))
+    for namespace in ("default", CHART_NAMESPACE):
+        api_cluster.core.delete_collection_namespaced_event(namespace)
+    return api_cluster
 
 
 @pytest.fixture
-def agents(
-    cluster: Cluster, small_tmpfs: Path, tmp_path: Path, request: pytest.FixtureRequest
-) -> Iterator[dict[str, Agent]]:
-    """A kvshm-agent per node, each with its own root on one real 64 MiB tmpfs."""
-    yield from _agents(cluster, small_tmpfs, tmp_path, request)
+def agents(api_agents: dict[str, Agent]) -> dict[str, Agent]:
+    """A kvshm-agent process per node (api_agents)."""
+    return api_agents
 
 
 def _agents(
@@ -66,9 +64,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     setattr(item, "rep_" + report.when, report)  # type: ignore[attr-defined]
     return report
-
-
-# --- the same cluster on a real kube-apiserver (tests/envtest) --------------------------------
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""A small cluster for the operator's integration tests: the API server emulator, Nodes, real
-`kvshm-agent` processes on real tmpfs roots, and the operator (in this process or another).
+"""A small cluster for the operator's integration tests: a real API server (tests/envtest),
+Nodes, real `kvshm-agent` processes on real tmpfs roots, and the operator (in this process or
+another).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kopf.testing import KopfRunner
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
 from kvshm.operator.config import ENV_PREFIX, OperatorConfig
 from kvshm.operator.main import register
+from tests.envtest.fixtures import CHART_NAMESPACE
 from tests.waiting import wait_for
 
 NAMESPACE = "team"
@@ -53,7 +55,7 @@ def config_environment(config: OperatorConfig) -> dict[str, str]:
 
 
 class Cluster:
-    """Synchronous conveniences over an API server (the emulator or a real one), for test
+    """Synchronous conveniences over the API server (as the admin), for test
     bodies: regions are created in `namespace`; `client` is closed by close()."""
 
     def __init__(
@@ -119,7 +121,9 @@ class Cluster:
     def events(self, name: str) -> list[dict[str, Any]]:
         """Events about an object of this name, newest last, as (reason, message) dicts."""
         found = []
-        for namespace in (self.namespace, "default"):
+        # cluster-scoped objects' Events: the agent posts to `default`, kopf to its own
+        # namespace (the chart's, as in a pod)
+        for namespace in (self.namespace, "default", CHART_NAMESPACE):
             for event in self.core.list_namespaced_event(namespace).items:
                 if event.involved_object.name == name:
                     found.append({"reason": event.reason, "message": event.message})

@@ -1,4 +1,5 @@
-"""The operator in kopf's runtime, against the API emulator, beside two real agents on tmpfs.
+"""The operator in kopf's runtime, against a real API server (tests/envtest) with the chart's
+operator ServiceAccount, beside two real agents on tmpfs with the chart's agent ServiceAccount.
 
 Each test drives the whole loop: a region is applied, the agents make real files and report,
 the operator aggregates, decides and releases. Timings come from harness.TEST_CONFIG.
@@ -16,7 +17,6 @@ from pathlib import Path
 
 from kvshm.operator.metrics import sample
 from tests.operator.harness import (
-    NAMESPACE,
     TEST_CONFIG,
     Agent,
     Cluster,
@@ -36,8 +36,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def region_file(name: str) -> str:
-    return f"{NAMESPACE}/{name}/vllm_offload_{name}.mmap"
+def region_file(cluster: Cluster, name: str) -> str:
+    return f"{cluster.namespace}/{name}/vllm_offload_{name}.mmap"
 
 
 def inventory(cluster: Cluster, node: str) -> dict[str, dict]:  # type: ignore[type-arg]
@@ -65,7 +65,7 @@ def test_apply_makes_files_on_both_nodes_and_ready(
         assert region["metadata"]["finalizers"] == ["kvshm.dev/operator"]
         assert any(event["reason"] == "Ready" for event in cluster.events("r1"))
     for agent in agents.values():
-        assert agent.files() == [region_file("r1")]
+        assert agent.files() == [region_file(cluster, "r1")]
 
 
 async def test_invalid_specs_get_a_clear_condition_and_no_files(
@@ -116,7 +116,7 @@ def test_delete_waits_for_the_drain_then_files_are_gone_then_the_finalizer(
         cluster.create_region("r1")
         cluster.wait_phase("r1", "Ready")
         # a serving process still attached on node-a: its agent drains for the grace period
-        holder = Holder(agents["node-a"].root / NAMESPACE / "r1", "r1", mode="attach")
+        holder = Holder(agents["node-a"].root / cluster.namespace / "r1", "r1", mode="attach")
         try:
             cluster.delete_region("r1")
             cluster.wait_phase("r1", "Terminating")
@@ -130,7 +130,7 @@ def test_delete_waits_for_the_drain_then_files_are_gone_then_the_finalizer(
             )
             assert draining["status"] == "False" and "node-a" in draining["message"]
             assert cluster.region("r1") is not None  # the finalizer holds it
-            assert agents["node-a"].files() == [region_file("r1")]
+            assert agents["node-a"].files() == [region_file(cluster, "r1")]
             cluster.wait_gone("r1")
         finally:
             holder.kill()
@@ -146,7 +146,7 @@ def test_retain_releases_at_once_and_keeps_the_files_unreclaimed(
         cluster.wait_phase("kept", "Ready")
         cluster.delete_region("kept")
         cluster.wait_gone("kept", timeout=10)
-        path = region_file("kept")
+        path = region_file(cluster, "kept")
         for node in agents:
             wait_for(
                 lambda node=node: inventory(cluster, node).get(path, {}).get("claimedBy") == "",
@@ -165,11 +165,11 @@ def test_an_orphan_of_a_killed_process_is_reclaimed_after_the_grace_period_not_b
     cluster: Cluster, agents: dict[str, Agent]
 ) -> None:
     node, agent = "node-a", agents["node-a"]
-    path = f"{NAMESPACE}/ghost/vllm_offload_ghost.mmap"
+    path = region_file(cluster, "ghost")
     requested_before = sample("kvshm_operator_reclaims_requested_total")
     completed_before = sample("kvshm_operator_reclaims_completed_total")
     with operator_in_thread():
-        Holder(agent.root / NAMESPACE / "ghost", "ghost").kill()  # created, then killed
+        Holder(agent.root / cluster.namespace / "ghost", "ghost").kill()  # created, then killed
         wait_for(
             lambda: inventory(cluster, node).get(path, {}).get("held") is False,
             10,
@@ -192,9 +192,9 @@ def test_an_orphan_of_a_killed_process_is_reclaimed_after_the_grace_period_not_b
 
 def test_a_held_file_is_never_reclaimed(cluster: Cluster, agents: dict[str, Agent]) -> None:
     node, agent = "node-b", agents["node-b"]
-    path = f"{NAMESPACE}/stray/vllm_offload_stray.mmap"
+    path = region_file(cluster, "stray")
     refused_before = sample("kvshm_operator_decisions_refused_total", {"reason": "held"})
-    holder = Holder(agent.root / NAMESPACE / "stray", "stray")  # no region claims it
+    holder = Holder(agent.root / cluster.namespace / "stray", "stray")  # no region claims it
     try:
         with operator_in_thread():
             wait_for(lambda: path in inventory(cluster, node), 10, "the file in the inventory")
@@ -210,13 +210,13 @@ def test_a_held_file_is_never_reclaimed(cluster: Cluster, agents: dict[str, Agen
 
 
 def test_an_operator_killed_mid_deletion_finishes_the_job_after_a_restart(
-    cluster: Cluster, agents: dict[str, Agent], tmp_path: Path
+    cluster: Cluster, agents: dict[str, Agent], operator_kubeconfig: Path, tmp_path: Path
 ) -> None:
-    operator = OperatorProcess(cluster.kubeconfig, tmp_path).start()
+    operator = OperatorProcess(operator_kubeconfig, tmp_path).start()
     try:
         cluster.create_region("r1")
         cluster.wait_phase("r1", "Ready", timeout=60)
-        holder = Holder(agents["node-a"].root / NAMESPACE / "r1", "r1", mode="attach")
+        holder = Holder(agents["node-a"].root / cluster.namespace / "r1", "r1", mode="attach")
         cluster.delete_region("r1")
         cluster.wait_phase("r1", "Terminating")
         operator.kill()  # SIGKILL: no clean-up, the finalizer stays
@@ -288,9 +288,9 @@ def test_dry_run_reports_an_orphan_and_requests_nothing(
     cluster: Cluster, agents: dict[str, Agent]
 ) -> None:
     node, agent = "node-a", agents["node-a"]
-    path = f"{NAMESPACE}/ghost/vllm_offload_ghost.mmap"
+    path = region_file(cluster, "ghost")
     with operator_in_thread(dataclasses.replace(TEST_CONFIG, orphan_dry_run=True)):
-        Holder(agent.root / NAMESPACE / "ghost", "ghost").kill()
+        Holder(agent.root / cluster.namespace / "ghost", "ghost").kill()
         wait_for(
             lambda: any(e["reason"] == "WouldReclaim" and path in e["message"]
                         for e in cluster.events(node)),
@@ -303,11 +303,13 @@ def test_dry_run_reports_an_orphan_and_requests_nothing(
         assert sample("kvshm_operator_orphaned_files") >= 1
 
 
-def test_the_console_script_serves_liveness_and_metrics(cluster: Cluster, tmp_path: Path) -> None:
+def test_the_console_script_serves_liveness_and_metrics(
+    cluster: Cluster, operator_kubeconfig: Path, tmp_path: Path
+) -> None:
     health, scrape = free_port(), free_port()
     config = dataclasses.replace(TEST_CONFIG, metrics_port=scrape)
     args = ("--liveness", f"http://127.0.0.1:{health}/healthz", "--log-level", "debug")
-    operator = OperatorProcess(cluster.kubeconfig, tmp_path, config, args).start()
+    operator = OperatorProcess(operator_kubeconfig, tmp_path, config, args).start()
     try:
 
         def get(port: int, path: str) -> str:

@@ -1,4 +1,4 @@
-"""Small builders of manifests for tests that talk to the emulator."""
+"""Small builders of manifests for tests that talk to the API server (tests/envtest)."""
 
 from __future__ import annotations
 

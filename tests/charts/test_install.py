@@ -1,0 +1,242 @@
+"""The chart in a real API server (tests/envtest, Kubernetes 1.28): `helm install` for the default
+values and every values file in charts/kvshm/ci/, with and without the Prometheus Operator's
+API, and the CRD upgrade hook's own command with its own ServiceAccount's token.
+
+There is no kubelet or controller manager: nothing runs (`--wait=false`), but every object the
+chart renders must be accepted and stored by the server as rendered (nothing pruned or
+changed; the server may only add its defaults)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+
+from tests.charts.rendering import find, load_yaml_documents, render
+from tests.charts.tools import CHART, run, tool
+from tests.envtest.chart import apply, ensure_namespace, load_documents, render_chart
+from tests.envtest.fixtures import ChartAccounts
+from tests.envtest.server import EnvTest
+from tests.waiting import wait_for
+
+VALUES_FILES = sorted((CHART / "ci").glob("*.yaml"))
+# namespaces the values files expect to exist (kube-prometheus-stack's; the operator's watch list)
+EXPECTED_NAMESPACES = ("monitoring", "default", "kvshm-test")
+MONITORING_GROUP = "monitoring.coreos.com"
+MONITORING_KINDS = {
+    "ServiceMonitor": "servicemonitors",
+    "PodMonitor": "podmonitors",
+    "PrometheusRule": "prometheusrules",
+}
+
+
+def monitoring_crd(kind: str, plural: str) -> dict[str, Any]:
+    """A stand-in for the Prometheus Operator's CRD of `kind`: the API exists (the chart checks
+    .Capabilities for it), its schema is open (tests/charts/validate_monitoring.mjs checks the
+    chart's objects against the Prometheus Operator's own schemas)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{MONITORING_GROUP}"},
+        "spec": {
+            "group": MONITORING_GROUP,
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "x-kubernetes-preserve-unknown-fields": True,
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+@pytest.fixture(
+    scope="module", params=[False, True], ids=["no-prometheus-operator", "prometheus-operator"]
+)
+def prometheus_operator(request: pytest.FixtureRequest, envtest: EnvTest) -> Iterator[bool]:
+    """Whether the server serves monitoring.coreos.com/v1 (module-scoped: its CRDs are made
+    once, when discovery lists them, and removed, until gone, after the module)."""
+    if not request.param:
+        yield False
+        return
+    names = [f"{plural}.{MONITORING_GROUP}" for plural in MONITORING_KINDS.values()]
+    with envtest.api_client() as admin:
+        extensions = kubernetes.client.ApiextensionsV1Api(admin)
+        for kind, plural in MONITORING_KINDS.items():
+            apply(admin, monitoring_crd(kind, plural))
+        wait_for(lambda: _served(admin) >= set(MONITORING_KINDS.values()), 30, "discovery")
+        try:
+            yield True
+        finally:
+            for name in names:
+                extensions.delete_custom_resource_definition(name)
+            wait_for(lambda: not _served(admin), 60, "the monitoring CRDs to be gone")
+
+
+def _served(admin: kubernetes.client.ApiClient) -> set[str]:
+    """The resources discovery lists under monitoring.coreos.com/v1 (what helm sees)."""
+    try:
+        answer = kubernetes.client.CustomObjectsApi(admin).get_api_resources(MONITORING_GROUP, "v1")
+    except kubernetes.client.ApiException as exc:
+        if exc.status == 404:
+            return set()
+        raise
+    return {resource.name for resource in answer.resources}
+
+
+def helm(envtest: EnvTest, home: Path, *args: str) -> str:
+    """helm as the admin, with caches and config of its own; fails the test on an error."""
+    kubeconfig = envtest.write_kubeconfig(home / "admin.kubeconfig")
+    env_args = [
+        f"HELM_CACHE_HOME={home / 'cache'}",
+        f"HELM_CONFIG_HOME={home / 'config'}",
+        f"HELM_DATA_HOME={home / 'data'}",
+    ]
+    result = run(
+        "env", *env_args, tool("helm"), *args, "--kubeconfig", str(kubeconfig), timeout=120
+    )
+    assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stdout}{result.stderr}"
+    return result.stdout
+
+
+def stored(admin: kubernetes.client.ApiClient, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The object the server keeps for a rendered manifest."""
+    dynamic = kubernetes.dynamic.DynamicClient(admin)
+    resource = dynamic.resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
+    metadata = manifest["metadata"]
+    namespace = metadata.get("namespace") if resource.namespaced else None
+    found: dict[str, Any] = resource.get(name=metadata["name"], namespace=namespace).to_dict()
+    return found
+
+
+def differences(rendered: Any, kept: Any, path: str = "") -> list[str]:
+    """Where the stored object lacks or changed what was rendered (the server may only add:
+    defaults, status, metadata of its own)."""
+    if isinstance(rendered, dict) and isinstance(kept, dict):
+        return [
+            found
+            for key, value in rendered.items()
+            for found in differences(value, kept.get(key), f"{path}.{key}")
+        ]
+    if isinstance(rendered, list) and isinstance(kept, list) and len(rendered) == len(kept):
+        return [
+            found
+            for index, (item, stored_item) in enumerate(zip(rendered, kept, strict=True))
+            for found in differences(item, stored_item, f"{path}[{index}]")
+        ]
+    if kept is None and rendered in (False, 0, "", [], {}):
+        return []  # an empty value of an `omitempty` field: the server does not echo it
+    return [] if rendered == kept else [f"{path}: rendered {rendered!r}, stored {kept!r}"]
+
+
+@pytest.mark.parametrize(
+    "values", [None, *VALUES_FILES], ids=["default", *(p.stem for p in VALUES_FILES)]
+)
+def test_helm_install_is_accepted_by_the_api_server(
+    values: Path | None,
+    prometheus_operator: bool,
+    envtest: EnvTest,
+    envtest_admin: kubernetes.client.ApiClient,
+    envtest_namespace: str,
+    tmp_path: Path,
+) -> None:
+    # cluster-scoped objects are named after the release: one of its own per install
+    release = f"kvshm-{secrets.token_hex(3)}"
+    rendered = render_chart(envtest_namespace, () if values is None else (values,), release)
+    rendered_namespaces = {o["metadata"].get("namespace") for o in rendered} - {None}
+    for namespace in {*EXPECTED_NAMESPACES, *rendered_namespaces}:  # e.g. Grafana's
+        ensure_namespace(envtest_admin, namespace)
+    args = ["install", release, str(CHART), "--namespace", envtest_namespace, "--wait=false"]
+    if values is not None:
+        args += ["--values", str(values)]
+    helm(envtest, tmp_path, *args)
+    try:
+        manifests = load_documents(
+            helm(envtest, tmp_path, "get", "manifest", release, "-n", envtest_namespace)
+        )
+        kinds = {m["kind"] for m in manifests}
+        assert {"DaemonSet", "Deployment", "ClusterRole", "ServiceAccount"} <= kinds
+        monitoring = {m["kind"] for m in manifests if m["apiVersion"].startswith(MONITORING_GROUP)}
+        enabled = values is None or "gpu-cluster" in values.name  # kind-values turns it off
+        assert bool(monitoring) == (prometheus_operator and enabled), monitoring
+        for manifest in manifests:
+            kept = stored(envtest_admin, manifest)
+            assert kept["metadata"]["uid"], manifest["metadata"]["name"]
+            assert kept["metadata"]["annotations"]["meta.helm.sh/release-name"] == release
+            changed = differences(manifest, kept)
+            assert changed == [], f"{manifest['kind']} {manifest['metadata']['name']}: {changed}"
+        status = helm(envtest, tmp_path, "status", release, "-n", envtest_namespace, "-o", "yaml")
+        assert yaml.safe_load(status)["info"]["status"] == "deployed"
+    finally:
+        helm(envtest, tmp_path, "uninstall", release, "-n", envtest_namespace, "--wait=false")
+
+
+def test_the_crd_upgrade_hooks_command_with_its_own_token(
+    envtest: EnvTest, chart_accounts: ChartAccounts, tmp_path: Path
+) -> None:
+    """The pre-upgrade Job's container command, as rendered, run as its ServiceAccount (RBAC
+    by the chart: get/patch of kvshm's two CRDs, create) on the files its ConfigMap mounts."""
+    objects = render()
+    job = find(objects, "Job", "-crd-upgrade")
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "crds")["mountPath"]
+    crds = tmp_path / "crds"
+    crds.mkdir()
+    for name, text in find(objects, "ConfigMap", "-crd-upgrade")["data"].items():
+        (crds / name).write_text(text)
+    command = [
+        str(crds) + "/" if arg == mount.rstrip("/") + "/" or arg == mount else arg
+        for arg in [*container["command"], *container["args"]]
+    ]
+    assert command[0] == "kubectl" and str(crds) + "/" in command, command
+    kubeconfig = chart_accounts.kubeconfig("crd-upgrade", tmp_path / "hook.kubeconfig")
+    home = {env["name"]: env["value"] for env in container.get("env", ())}["HOME"]
+    assert home == "/tmp"
+    result = run(
+        "env", f"HOME={tmp_path}", tool("kubectl"), *command[1:], "--kubeconfig", str(kubeconfig)
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    shipped = {
+        doc["metadata"]["name"]
+        for path in sorted((CHART / "crds").glob("*.yaml"))
+        for doc in load_yaml_documents(path)
+    }
+    assert {line.split()[0] for line in result.stdout.splitlines()} == {
+        f"customresourcedefinition.apiextensions.k8s.io/{name}" for name in shipped
+    }
+    assert all(line.endswith(" serverside-applied") for line in result.stdout.splitlines())
+    with envtest.api_client() as admin:
+        extensions = kubernetes.client.ApiextensionsV1Api(admin)
+        for name in shipped:
+            crd = extensions.read_custom_resource_definition(name)
+            managers = {entry.manager for entry in crd.metadata.managed_fields}
+            assert "kvshm-crd-upgrade" in managers, managers
+    # and nothing beyond its own two CRDs: that token cannot even read another one
+    refused = run(
+        "env", f"HOME={tmp_path}", tool("kubectl"), "get", "crd",
+        "customresourcedefinitions.apiextensions.k8s.io", "--kubeconfig", str(kubeconfig),
+    )  # fmt: skip
+    assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), refused.stderr
+
+
+def test_the_chart_refuses_kubernetes_older_than_the_tested_1_28() -> None:
+    """kubeVersion: the API servers the chart is tested on (1.28) and later; see docs/deploy.md."""
+    for version, accepted in (("1.27.16", False), ("1.28.0", True), ("1.33.1", True)):
+        result = run(tool("helm"), "template", "kvshm", str(CHART), "--kube-version", version)
+        assert (result.returncode == 0) == accepted, (version, result.stderr)
+        if not accepted:
+            assert "incompatible with Kubernetes v1.27.16" in result.stderr, result.stderr
