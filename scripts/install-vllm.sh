@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Puts vLLM's own code where tests/vllm can run it, on a CPU machine, without a second torch:
+# Puts vLLM's own code where tests/against_vllm can run it, on a CPU machine, with no 2nd torch:
 #   - vLLM 0.33.0 and the packages its config/offload modules import, into the venv, every one
 #     with --no-deps (scripts/vllm-requirements.txt pins them);
 #   - vLLM 0.32.0's Python sources (the last single-file region release) unpacked into

@@ -1,7 +1,8 @@
-"""Run by tests/vllm in a subprocess with vLLM 0.33 importable: for each case (a model directory
-and `vllm serve` arguments), vLLM's own code parses the arguments, builds the ModelConfig from
-the model's config.json, the attention layers' KV-cache specs, the OffloadingConfig and the
-CPUOffloadingSpec, and this prints the region geometry that spec uses, per data-parallel engine.
+"""Run by tests/against_vllm in a subprocess with vLLM 0.33 importable: for each case (a
+model directory and `vllm serve` arguments), vLLM's own code parses the arguments, builds the
+ModelConfig from the model's config.json, the attention layers' KV-cache specs, the
+OffloadingConfig and the CPUOffloadingSpec, and this prints the region geometry that spec uses,
+per data-parallel engine.
 
 Input: JSON list of {"model": dir, "args": [...]} as argv[1]. Output: JSON on stdout.
 """

@@ -17,7 +17,7 @@ from kvshm.sizing import (
     plan_offload,
     vllm_flags,
 )
-from tests.vllm.vllm_code import offload_geometry
+from tests.against_vllm.vllm_code import offload_geometry
 
 MODELS = Path(__file__).resolve().parents[1] / "sizing" / "models"
 

@@ -1,0 +1,134 @@
+"""vLLM's own SharedOffloadRegion attaches a region kvshm created: one process per rank, each in
+its own mount namespace whose /dev/shm is the region's directory (as a serving pod sees it),
+called exactly as that release's CPUOffloadingSpec.create_worker calls it. Every (rank, block,
+tensor) slice vLLM writes is what kvshm reads, and the reverse; vLLM never removes the file.
+
+Single-file regions with page-aligned rows (the vllm-0.27 format, below 2 GiB): what kvshm's
+region library makes today. vLLM 0.33.0 and 0.32.0 (the last single-file release)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+
+from kvshm.region import OpenMode, SharedOffloadRegion
+from tests.against_vllm.patterns import pattern
+from tests.against_vllm.vllm_code import HERE, vllm_env
+
+TENSORS = 4  # canonical tensors per worker cell (e.g. K and V of two layers)
+TENSOR_PAGE = 3 * 1024  # bytes of one tensor in one chunk
+NUM_BLOCKS = 40
+ENGINE_ID = "llama-kv"
+
+
+def _worker(release: str, region_dir: Path, job: dict[str, object]) -> subprocess.Popen[str]:
+    """`unshare --mount`: a private mount namespace with the region's directory on /dev/shm."""
+    return subprocess.Popen(
+        [
+            "unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount --bind "$0" /dev/shm && exec "$@"',
+            str(region_dir), sys.executable, str(HERE / "attach_worker.py"), json.dumps(job),
+        ],
+        env=vllm_env(release),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+@contextmanager
+def _kvshm_views(region_dir: Path, rank: int, world: int) -> Iterator[list[object]]:
+    region = SharedOffloadRegion(
+        ENGINE_ID,
+        NUM_BLOCKS * TENSORS * TENSOR_PAGE * world,
+        NUM_BLOCKS,
+        rank,
+        world,
+        TENSORS * TENSOR_PAGE,
+        directory=str(region_dir),
+        mode=OpenMode.ATTACH,
+        populate=False,
+    )
+    try:
+        yield [region.create_next_view(TENSOR_PAGE) for _ in range(TENSORS)]
+    finally:
+        region.cleanup()
+
+
+def _wait_for_files(paths: list[Path], workers: list[subprocess.Popen[str]]) -> None:
+    deadline = time.monotonic() + 300
+    while not all(path.exists() for path in paths):
+        for worker in workers:
+            if worker.poll() is not None:
+                raise AssertionError(f"a vLLM worker exited early: {worker.communicate()}")
+        assert time.monotonic() < deadline, "vLLM workers did not write in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("release", "world"), [("0.33.0", 1), ("0.33.0", 2), ("0.33.0", 4), ("0.32.0", 2)]
+)
+def test_vllm_attaches_a_kvshm_region_and_both_see_every_byte(
+    shm_dir: Path, tmp_path: Path, release: str, world: int
+) -> None:
+    region_dir = shm_dir / "serving" / ENGINE_ID
+    region_dir.mkdir(parents=True)
+    cell = TENSORS * TENSOR_PAGE
+    assert cell * world % 4096 == 0  # page-aligned rows: vLLM's padded stride is the same
+    with ExitStack() as stack:
+        creator = SharedOffloadRegion(
+            ENGINE_ID,
+            NUM_BLOCKS * cell * world,
+            NUM_BLOCKS,
+            None,
+            world,
+            cell,
+            directory=str(region_dir),
+            mode=OpenMode.CREATE,
+            populate=True,
+            unlink_on_cleanup=False,
+        )
+        stack.callback(creator.cleanup)
+        region_file = region_dir / f"vllm_offload_{ENGINE_ID}.mmap"
+        inode = region_file.stat().st_ino
+        job = {
+            "engine_id": ENGINE_ID,
+            "num_chunks": NUM_BLOCKS,
+            "kv_bytes_per_chunk": cell * world,
+            "cpu_page_size": cell,
+            "world": world,
+            "tensors": TENSORS,
+            "tensor_page": TENSOR_PAGE,
+            "sync_dir": str(tmp_path),
+        }
+        workers = [_worker(release, region_dir, {**job, "rank": rank}) for rank in range(world)]
+        for worker in workers:
+            stack.callback(worker.kill)
+        _wait_for_files([tmp_path / f"written.{rank}" for rank in range(world)], workers)
+
+        for rank in range(world):
+            with _kvshm_views(region_dir, rank, world) as views:
+                for tensor, view in enumerate(views):
+                    for block in range(NUM_BLOCKS):
+                        expected = pattern("vllm", rank, block, tensor, TENSOR_PAGE)
+                        assert view[block].equal(expected), (rank, block, tensor)  # type: ignore[index]
+                        view[block].copy_(pattern("kvshm", rank, block, tensor, TENSOR_PAGE))  # type: ignore[index]
+        (tmp_path / "kvshm-wrote").touch()
+
+        reports = []
+        for worker in workers:
+            out, err = worker.communicate(timeout=300)
+            assert worker.returncode == 0, err[-4000:]
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+        assert reports == [{"version": release, "creator": False, "wrong": []}] * world
+        # vLLM attached as a joiner: the file is kvshm's, still there, and the only one
+        assert os.listdir(region_dir) == [region_file.name]
+        assert region_file.stat().st_ino == inode
