@@ -22,6 +22,7 @@ import pytest
 from kvshm.region import OpenMode, SharedOffloadRegion
 from tests.against_vllm.patterns import pattern
 from tests.against_vllm.vllm_code import HERE, vllm_env
+from tests.agent_region import agent_made_region
 
 TENSORS = 4  # canonical tensors per worker cell (e.g. K and V of two layers)
 TENSOR_PAGE = 3 * 1024  # bytes of one tensor in one chunk
@@ -84,18 +85,7 @@ def test_vllm_attaches_a_kvshm_region_and_both_see_every_byte(
     cell = TENSORS * TENSOR_PAGE
     assert cell * world % 4096 == 0  # page-aligned rows: vLLM's padded stride is the same
     with ExitStack() as stack:
-        creator = SharedOffloadRegion(
-            ENGINE_ID,
-            NUM_BLOCKS * cell * world,
-            NUM_BLOCKS,
-            None,
-            world,
-            cell,
-            directory=str(region_dir),
-            mode=OpenMode.CREATE,
-            populate=True,
-            unlink_on_cleanup=False,
-        )
+        creator = agent_made_region(region_dir, ENGINE_ID, NUM_BLOCKS, cell, world, populate=True)
         stack.callback(creator.cleanup)
         region_file = region_dir / f"vllm_offload_{ENGINE_ID}.mmap"
         inode = region_file.stat().st_ino

@@ -1,6 +1,7 @@
 """`kvshm layout` checked by vLLM 0.33's own code: its flags, parsed by `vllm serve`'s parser,
 with the model's config.json read by vLLM's ModelConfig, give an OffloadingConfig and a
-CPUOffloadingSpec whose geometry and engine id are exactly the OffloadRegions'."""
+CPUOffloadingSpec whose geometry and engine id are exactly the OffloadRegions'. The same for the
+`vllm serve` arguments of the Deployments in examples/serving."""
 
 from __future__ import annotations
 
@@ -18,8 +19,15 @@ from kvshm.sizing import (
     vllm_flags,
 )
 from tests.against_vllm.vllm_code import offload_geometry
+from tests.charts.rendering import load_yaml_documents
+from tests.charts.test_serving_example import EXAMPLES, IDS
 
 MODELS = Path(__file__).resolve().parents[1] / "sizing" / "models"
+# the examples' hub ids, and the shipped config.json vLLM reads instead (no hub here)
+EXAMPLE_MODELS = {
+    "meta-llama/Llama-3.1-70B-Instruct": "llama-3.1-70b",
+    "deepseek-ai/DeepSeek-V2-Lite": "deepseek-v2-lite",
+}
 
 # (model, tp, dp, block size, blocks per chunk, kv-cache dtype, CPU bytes per engine)
 CASES = [
@@ -52,17 +60,25 @@ def _ours(case: tuple[Any, ...]) -> tuple[list[str], list[dict[str, Any]]]:
     return vllm_flags(plan), offload_regions(plan, "engine-a")
 
 
+def _example_serve_args(deployment: Path) -> dict[str, Any]:
+    """The Deployment's `vllm serve` arguments, the model read from its shipped config.json."""
+    [document] = load_yaml_documents(deployment)
+    [engine] = document["spec"]["template"]["spec"]["containers"]
+    assert engine["command"] == ["vllm", "serve"]
+    model, *args = engine["args"]
+    return {"model": str(MODELS / EXAMPLE_MODELS[model]), "args": args}
+
+
 @pytest.fixture(scope="module")
 def vllm_geometry() -> list[list[dict[str, Any]]]:
+    """One vLLM run for every case and every example (vLLM takes long to import)."""
     cases = [{"model": str(MODELS / case[0]), "args": _ours(case)[0]} for case in CASES]
-    return offload_geometry(cases)
+    examples = [_example_serve_args(deployment) for _, deployment in EXAMPLES]
+    return offload_geometry(cases + examples)
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=lambda i: "-".join(map(str, CASES[i][:6])))
-def test_vllm_computes_the_regions_layout(index: int, vllm_geometry: list[Any]) -> None:
-    _, regions = _ours(CASES[index])
-    engines = vllm_geometry[index]
-    assert len(engines) == len(regions) == CASES[index][2]
+def _assert_same_geometry(engines: list[dict[str, Any]], regions: list[dict[str, Any]]) -> None:
+    assert len(engines) == len(regions)
     for engine, region in zip(engines, regions, strict=True):
         layout = region["spec"]["layout"]
         copies = 1 if layout["replicated"] else layout["numWorkers"]
@@ -73,6 +89,19 @@ def test_vllm_computes_the_regions_layout(index: int, vllm_geometry: list[Any]) 
         assert engine["cpu_page_size_per_worker"] == layout["cpuPageSize"]
         assert engine["replicated_layout"] == layout["replicated"]
         assert engine["world_size"] == layout["numWorkers"]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=lambda i: "-".join(map(str, CASES[i][:6])))
+def test_vllm_computes_the_regions_layout(index: int, vllm_geometry: list[Any]) -> None:
+    _, regions = _ours(CASES[index])
+    assert len(regions) == CASES[index][2]
+    _assert_same_geometry(vllm_geometry[index], regions)
+
+
+@pytest.mark.parametrize("index", range(len(EXAMPLES)), ids=IDS)
+def test_vllm_parses_the_examples_into_their_regions(index: int, vllm_geometry: list[Any]) -> None:
+    regions = load_yaml_documents(EXAMPLES[index][0])
+    _assert_same_geometry(vllm_geometry[len(CASES) + index], regions)
 
 
 def test_llama_70b_at_tp4_has_vllms_cell(vllm_geometry: list[Any]) -> None:
