@@ -30,15 +30,27 @@ NUM_BLOCKS = 40
 ENGINE_ID = "llama-kv"
 
 
-def _worker(release: str, region_dir: Path, job: dict[str, object]) -> subprocess.Popen[str]:
-    """`unshare --mount`: a private mount namespace with the region's directory on /dev/shm."""
+# How the serving pod sees the region (examples/serving): its directory as /dev/shm, or (data
+# parallelism) a tmpfs /dev/shm with each region file mounted onto it.
+MOUNT_SHM = {
+    "directory": 'mount --bind "$0" /dev/shm',
+    "files": 'stage=$(mktemp -d) && mount -t tmpfs -o size=16m tmpfs "$stage" && '
+    'for file in "$0"/*; do name=${file##*/}; : > "$stage/$name" && '
+    'mount --bind "$file" "$stage/$name"; done && mount --move "$stage" /dev/shm',
+}
+
+
+def _worker(
+    release: str, shm: str, region_dir: Path, job: dict[str, object]
+) -> subprocess.Popen[str]:
+    """`unshare --mount`: a private mount namespace whose /dev/shm shows the region."""
     return subprocess.Popen(
         [
             "unshare", "--mount", "--propagation", "private", "sh", "-c",
-            'mount --bind "$0" /dev/shm && exec "$@"',
+            f'{MOUNT_SHM[shm]} && exec "$@"',
             str(region_dir), sys.executable, str(HERE / "attach_worker.py"), json.dumps(job),
         ],
-        env=vllm_env(release),
+        env={**vllm_env(release), "TMPDIR": str(job["sync_dir"])},  # mktemp's stage: the test's
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -46,9 +58,9 @@ def _worker(release: str, region_dir: Path, job: dict[str, object]) -> subproces
 
 
 @contextmanager
-def _kvshm_views(region_dir: Path, rank: int, world: int) -> Iterator[list[object]]:
+def _kvshm_views(region_dir: Path, engine_id: str, rank: int, world: int) -> Iterator[list[object]]:
     region = SharedOffloadRegion(
-        ENGINE_ID,
+        engine_id,
         NUM_BLOCKS * TENSORS * TENSOR_PAGE * world,
         NUM_BLOCKS,
         rank,
@@ -75,22 +87,29 @@ def _wait_for_files(paths: list[Path], workers: list[subprocess.Popen[str]]) -> 
 
 
 @pytest.mark.parametrize(
-    ("release", "world"), [("0.33.0", 1), ("0.33.0", 2), ("0.33.0", 4), ("0.32.0", 2)]
+    ("release", "world", "shm", "engine_id"),
+    [
+        ("0.33.0", 1, "directory", ENGINE_ID),
+        ("0.33.0", 2, "directory", ENGINE_ID),
+        ("0.33.0", 4, "directory", ENGINE_ID),
+        ("0.33.0", 2, "files", f"{ENGINE_ID}_dp1"),  # a data-parallel engine's region
+        ("0.32.0", 2, "directory", ENGINE_ID),
+    ],
 )
 def test_vllm_attaches_a_kvshm_region_and_both_see_every_byte(
-    shm_dir: Path, tmp_path: Path, release: str, world: int
+    shm_dir: Path, tmp_path: Path, release: str, world: int, shm: str, engine_id: str
 ) -> None:
-    region_dir = shm_dir / "serving" / ENGINE_ID
+    region_dir = shm_dir / "serving" / engine_id.replace("_", "-")
     region_dir.mkdir(parents=True)
     cell = TENSORS * TENSOR_PAGE
     assert cell * world % 4096 == 0  # page-aligned rows: vLLM's padded stride is the same
     with ExitStack() as stack:
-        creator = agent_made_region(region_dir, ENGINE_ID, NUM_BLOCKS, cell, world, populate=True)
+        creator = agent_made_region(region_dir, engine_id, NUM_BLOCKS, cell, world, populate=True)
         stack.callback(creator.cleanup)
-        region_file = region_dir / f"vllm_offload_{ENGINE_ID}.mmap"
+        region_file = region_dir / f"vllm_offload_{engine_id}.mmap"
         inode = region_file.stat().st_ino
         job = {
-            "engine_id": ENGINE_ID,
+            "engine_id": engine_id,
             "num_chunks": NUM_BLOCKS,
             "kv_bytes_per_chunk": cell * world,
             "cpu_page_size": cell,
@@ -99,13 +118,15 @@ def test_vllm_attaches_a_kvshm_region_and_both_see_every_byte(
             "tensor_page": TENSOR_PAGE,
             "sync_dir": str(tmp_path),
         }
-        workers = [_worker(release, region_dir, {**job, "rank": rank}) for rank in range(world)]
+        workers = [
+            _worker(release, shm, region_dir, {**job, "rank": rank}) for rank in range(world)
+        ]
         for worker in workers:
             stack.callback(worker.kill)
         _wait_for_files([tmp_path / f"written.{rank}" for rank in range(world)], workers)
 
         for rank in range(world):
-            with _kvshm_views(region_dir, rank, world) as views:
+            with _kvshm_views(region_dir, engine_id, rank, world) as views:
                 for tensor, view in enumerate(views):
                     for block in range(NUM_BLOCKS):
                         expected = pattern("vllm", rank, block, tensor, TENSOR_PAGE)
