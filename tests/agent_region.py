@@ -1,5 +1,5 @@
-"""A single-file region made the way the kvshm agent makes one: created (never attached), sized,
-populated or not, and left in place when this process lets go of it."""
+"""Single-file regions made and attached by kvshm's region library, for the tests that hand them
+to vLLM and to the serving pod's scripts. The one place these tests call its constructor."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from kvshm.region import OpenMode, SharedOffloadRegion
 def agent_made_region(
     directory: Path, instance_id: str, rows: int, cell: int, workers: int, *, populate: bool
 ) -> SharedOffloadRegion:
+    """The agent's way: created (never attached), sized, populated or not, left in place."""
     return SharedOffloadRegion(
         instance_id,
         rows * cell * workers,
@@ -22,4 +23,21 @@ def agent_made_region(
         mode=OpenMode.CREATE,
         populate=populate,
         unlink_on_cleanup=False,
+    )
+
+
+def attach_as_worker(
+    directory: Path, instance_id: str, rows: int, cell: int, workers: int, rank: int
+) -> SharedOffloadRegion:
+    """kvshm's attach of worker `rank` to an existing region, populating nothing."""
+    return SharedOffloadRegion(
+        instance_id,
+        rows * cell * workers,
+        rows,
+        rank,
+        workers,
+        cell,
+        directory=str(directory),
+        mode=OpenMode.ATTACH,
+        populate=False,
     )

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.region import OpenMode, SharedOffloadRegion
 from tests.against_vllm.patterns import pattern
 from tests.against_vllm.vllm_code import HERE, vllm_env
-from tests.agent_region import agent_made_region
+from tests.agent_region import agent_made_region, attach_as_worker
 
 TENSORS = 4  # canonical tensors per worker cell (e.g. K and V of two layers)
 TENSOR_PAGE = 3 * 1024  # bytes of one tensor in one chunk
@@ -59,17 +58,7 @@ def _worker(
 
 @contextmanager
 def _kvshm_views(region_dir: Path, engine_id: str, rank: int, world: int) -> Iterator[list[object]]:
-    region = SharedOffloadRegion(
-        engine_id,
-        NUM_BLOCKS * TENSORS * TENSOR_PAGE * world,
-        NUM_BLOCKS,
-        rank,
-        world,
-        TENSORS * TENSOR_PAGE,
-        directory=str(region_dir),
-        mode=OpenMode.ATTACH,
-        populate=False,
-    )
+    region = attach_as_worker(region_dir, engine_id, NUM_BLOCKS, TENSORS * TENSOR_PAGE, world, rank)
     try:
         yield [region.create_next_view(TENSOR_PAGE) for _ in range(TENSORS)]
     finally:
