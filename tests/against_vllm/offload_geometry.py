@@ -1,4 +1,4 @@
-"""Run by tests/against_vllm in a subprocess with vLLM 0.33 importable: for each case (a
+"""Run by tests/against_vllm in a subprocess with vLLM 0.33 (or 0.32) importable: for each case (a
 model directory and `vllm serve` arguments), vLLM's own code parses the arguments, builds the
 ModelConfig from the model's config.json, the attention layers' KV-cache specs, the
 OffloadingConfig and the CPUOffloadingSpec, and this prints the region geometry that spec uses,
@@ -20,10 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     build_offloading_config,
 )
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.common.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
-from vllm.v1.core.kv_cache_planning import kv_cache_groups_tp_replicas
 from vllm.v1.engine.utils import _apply_dp_identity_suffix
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -33,6 +31,13 @@ from vllm.v1.kv_cache_interface import (
     get_kv_quant_mode,
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+try:  # where vLLM 0.33 keeps them
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.v1.core.kv_cache_planning import kv_cache_groups_tp_replicas
+except ImportError:  # vLLM 0.32
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser  # type: ignore[no-redef]
+    from vllm.v1.core.kv_cache_utils import kv_cache_groups_tp_replicas  # type: ignore[no-redef]
 
 # This machine has no CUDA: vLLM would keep the per-rank tensor path here. On CUDA it uses the
 # shared region (and MLA's replicated layout), which is what kvshm serves: say so.

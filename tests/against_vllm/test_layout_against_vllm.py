@@ -1,7 +1,8 @@
 """`kvshm layout` checked by vLLM 0.33's own code: its flags, parsed by `vllm serve`'s parser,
 with the model's config.json read by vLLM's ModelConfig, give an OffloadingConfig and a
 CPUOffloadingSpec whose geometry and engine id are exactly the OffloadRegions'. The same for the
-`vllm serve` arguments of the Deployments in examples/serving."""
+`vllm serve` arguments of the Deployments in examples/serving. And vLLM 0.32.0 (single-file
+regions, the vllm-0.27 format) computes the same geometry from the same flags."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ CASES = [
 ]
 
 
-def _ours(case: tuple[Any, ...]) -> tuple[list[str], list[dict[str, Any]]]:
+def _ours(
+    case: tuple[Any, ...], region_format: str = "vllm-0.33"
+) -> tuple[list[str], list[dict[str, Any]]]:
     model, tp, dp, block, per_chunk, dtype, cpu_bytes = case
     plan = plan_offload(
         model_kv_shape(load_config(str(MODELS / model))),
@@ -57,7 +60,7 @@ def _ours(case: tuple[Any, ...]) -> tuple[list[str], list[dict[str, Any]]]:
         blocks_per_chunk=per_chunk,
         kv_cache_dtype=dtype,
     )
-    return vllm_flags(plan), offload_regions(plan, "engine-a")
+    return vllm_flags(plan), offload_regions(plan, "engine-a", region_format=region_format)
 
 
 def _example_serve_args(deployment: Path) -> dict[str, Any]:
@@ -75,6 +78,12 @@ def vllm_geometry() -> list[list[dict[str, Any]]]:
     cases = [{"model": str(MODELS / case[0]), "args": _ours(case)[0]} for case in CASES]
     examples = [_example_serve_args(deployment) for _, deployment in EXAMPLES]
     return offload_geometry(cases + examples)
+
+
+@pytest.fixture(scope="module")
+def vllm_032_geometry() -> list[list[dict[str, Any]]]:
+    cases = [{"model": str(MODELS / case[0]), "args": _ours(case)[0]} for case in CASES]
+    return offload_geometry(cases, release="0.32.0")
 
 
 def _assert_same_geometry(engines: list[dict[str, Any]], regions: list[dict[str, Any]]) -> None:
@@ -108,3 +117,12 @@ def test_llama_70b_at_tp4_has_vllms_cell(vllm_geometry: list[Any]) -> None:
     """The issue's example: 80 layers x 2 x 2 KV heads x 128 x 16 tokens x 2 bytes."""
     [engine] = vllm_geometry[CASES.index(("llama-3.1-70b", 4, 1, 16, 1, "auto", 64 << 30))]
     assert engine["worker_kv_bytes_per_block"] == 80 * 2 * 2 * 128 * 16 * 2 == 1_310_720
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=lambda i: "-".join(map(str, CASES[i][:6])))
+def test_vllm_032_computes_the_single_file_regions_layout(
+    index: int, vllm_032_geometry: list[Any]
+) -> None:
+    _, regions = _ours(CASES[index], region_format="vllm-0.27")
+    assert {r["spec"]["layout"]["format"] for r in regions} == {"vllm-0.27"}
+    _assert_same_geometry(vllm_032_geometry[index], regions)

@@ -35,9 +35,11 @@ def run_vllm_script(
     )
 
 
-def offload_geometry(cases: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """vLLM 0.33's CPUOffloadingSpec geometry for each (model directory, serve args) case."""
-    done = run_vllm_script("offload_geometry.py", json.dumps(cases))
+def offload_geometry(
+    cases: list[dict[str, Any]], release: str = "0.33.0"
+) -> list[list[dict[str, Any]]]:
+    """vLLM's CPUOffloadingSpec geometry for each (model directory, serve args) case."""
+    done = run_vllm_script("offload_geometry.py", json.dumps(cases), release=release)
     assert done.returncode == 0, done.stderr[-4000:]
     result: list[list[dict[str, Any]]] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
