@@ -107,9 +107,11 @@ def test_cli_prints_one_region_per_data_parallel_engine_and_the_flags(
     [
         ({"model_type": "jamba", "num_hidden_layers": 4}, "state-space"),
         ({"model_type": "gemma3_text", "num_hidden_layers": 2, "sliding_window": 512,
-          "layer_types": ["sliding_attention", "full_attention"]}, "hybrid"),
+          "layer_types": ["sliding_attention", "full_attention"]}, "sliding-window or linear"),
         ({"model_type": "qwen2", "num_hidden_layers": 28, "sliding_window": 4096,
-          "use_sliding_window": True, "max_window_layers": 21}, "max_window_layers"),
+          "use_sliding_window": True, "max_window_layers": 21}, "layers 21 and up"),
+        ({"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 512,
+          "layer_types": ["sliding_attention"] * 2}, "full-attention models"),
         ({"model_type": "llama4", "text_config": {}}, "multimodal"),
         ({"model_type": "deepseek_v32", "num_hidden_layers": 2, "kv_lora_rank": 512}, "MLA"),
         ({"model_type": "llama"}, "num_hidden_layers"),

@@ -67,7 +67,6 @@ class ModelKVShape:
     head_size: int  # K and V each have this many elements per head; MLA: the latent's width
     mla: bool
     dtype: str | None  # the checkpoint's dtype (what --kv-cache-dtype=auto stores), if declared
-    sliding_window: int | None  # every layer's window, for uniform sliding-window models
 
     def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
         """KV heads one tensor-parallel worker holds: vLLM splits them, and replicates them
@@ -130,8 +129,8 @@ def _positive_int(config: dict[str, Any], key: str, where: str) -> int:
     return value
 
 
-def _refuse_non_uniform(config: dict[str, Any], model_type: str, where: str) -> int | None:
-    """Refuse what is not one kind of attention in every layer; return a uniform window."""
+def _refuse_non_uniform(config: dict[str, Any], model_type: str, where: str) -> None:
+    """Refuse what vLLM does not cache as full-attention blocks in every layer."""
     if any(part in model_type for part in NON_ATTENTION_MODEL_TYPES) or any(
         key in config for key in NON_ATTENTION_KEYS
     ):
@@ -152,36 +151,32 @@ def _refuse_non_uniform(config: dict[str, Any], model_type: str, where: str) -> 
             f"{where}: chunked local attention layers mixed with full ones (a hybrid): not "
             f"sized by kvshm"
         )
+    # vLLM gives sliding-window layers a block size of the attention backend's choosing, so
+    # only models whose every layer vLLM runs as full attention are sized. vLLM 0.33 reads a
+    # model's sliding layers from layer_types (Qwen2 derives them from use_sliding_window);
+    # Mistral-7B-v0.1's bare sliding_window is run as full attention.
     layer_types = config.get("layer_types")
-    window = config.get("sliding_window")
-    if config.get("use_sliding_window") is False:
-        window = None
-    if isinstance(layer_types, list) and layer_types:
-        kinds = set(layer_types)
-        if kinds == {"full_attention"}:
-            return None
-        if kinds == {"sliding_attention"} and window:
-            return int(window)
+    if isinstance(layer_types, list) and set(layer_types) - {"full_attention"}:
         raise UnsupportedModelError(
-            f"{where}: layers of kinds {sorted(kinds)} (a sliding-window or linear-attention "
-            f"hybrid): vLLM keeps one cache group per kind, which kvshm does not size"
+            f"{where}: layers of kinds {sorted(set(layer_types))} (sliding-window or linear "
+            f"attention): vLLM sizes those blocks per attention backend; kvshm sizes only "
+            f"full-attention models"
         )
-    if window and config.get("use_sliding_window"):
-        # Qwen2-style: layers from max_window_layers on slide, the ones before do not
-        first_sliding = config.get("max_window_layers") or 0
-        if first_sliding >= config.get("num_hidden_layers", 0):
-            return None
-        if first_sliding:
-            raise UnsupportedModelError(
-                f"{where}: sliding window on layers {first_sliding} and up only "
-                f"(max_window_layers): a hybrid, not sized by kvshm"
-            )
+    sliding_from = config.get("max_window_layers") or 0
+    if (
+        config.get("sliding_window")
+        and config.get("use_sliding_window")
+        and sliding_from < config.get("num_hidden_layers", 0)
+    ):
+        raise UnsupportedModelError(
+            f"{where}: use_sliding_window slides layers {sliding_from} and up: vLLM sizes those "
+            f"blocks per attention backend; kvshm sizes only full-attention models"
+        )
     for key in ("sliding_window_pattern", "interleaved_sliding_window"):
-        if window and key in config:
+        if config.get("sliding_window") and key in config:
             raise UnsupportedModelError(
-                f"{where}: sliding window on only some layers ({key}): a hybrid, not sized by kvshm"
+                f"{where}: sliding window on some layers ({key}): a hybrid, not sized by kvshm"
             )
-    return int(window) if window else None
 
 
 def model_kv_shape(config: dict[str, Any], where: str = "config.json") -> ModelKVShape:
@@ -189,7 +184,7 @@ def model_kv_shape(config: dict[str, Any], where: str = "config.json") -> ModelK
     model_type = str(config.get("model_type") or "")
     if not model_type:
         raise UnsupportedModelError(f"{where}: no model_type: is this a model's config.json?")
-    window = _refuse_non_uniform(config, model_type, where)
+    _refuse_non_uniform(config, model_type, where)
     num_layers = _positive_int(config, "num_hidden_layers", where)
     dtype = config.get("torch_dtype") or config.get("dtype")
     quantization = config.get("quantization_config") or {}
@@ -204,7 +199,7 @@ def model_kv_shape(config: dict[str, Any], where: str = "config.json") -> ModelK
             )
         latent = _positive_int(config, "kv_lora_rank", where)
         rope = _positive_int(config, "qk_rope_head_dim", where)
-        return ModelKVShape(model_type, num_layers, 1, latent + rope, True, dtype, window)
+        return ModelKVShape(model_type, num_layers, 1, latent + rope, True, dtype)
     heads = _positive_int(config, "num_attention_heads", where)
     kv_heads = config.get("num_key_value_heads")
     kv_heads = heads if kv_heads is None else _positive_int(config, "num_key_value_heads", where)
@@ -214,4 +209,4 @@ def model_kv_shape(config: dict[str, Any], where: str = "config.json") -> ModelK
         head_dim = hidden // heads
     else:
         head_dim = _positive_int(config, "head_dim", where)
-    return ModelKVShape(model_type, num_layers, kv_heads, head_dim, False, dtype, window)
+    return ModelKVShape(model_type, num_layers, kv_heads, head_dim, False, dtype)
