@@ -19,9 +19,12 @@ SCRIPT = yaml.safe_load((REPO / "examples/serving/wait-for-region.yaml").read_te
 ]
 
 
-def _wait(directory: Path, rows: int, stride: int, region_format: str) -> tuple[int, str]:
+def _wait(
+    directory: Path, rows: int, stride: int, region_format: str, **extra: str
+) -> tuple[int, str]:
     env = dict(
         os.environ,
+        **extra,
         KVSHM_DIR=str(directory),
         KVSHM_INSTANCE_ID="engine_dp1",
         KVSHM_NUM_BLOCKS=str(rows),
@@ -82,6 +85,8 @@ def test_every_segment_of_a_vllm_033_region_is_waited_for(shm_dir: Path) -> None
     code, out = _wait(shm_dir, rows, stride, "vllm-0.33")
     # sizes all right, so it went on to population, starting at the first file
     assert code == 1 and f"{files[0][0]}: 0 of {files[0][1]} bytes populated" in out, out
+    code, out = _wait(shm_dir, rows, stride, "vllm-0.33", KVSHM_POPULATED="false")
+    assert code == 0 and "ready: 3 file(s)" in out, out  # a region kept unpopulated on purpose
     (shm_dir / files[1][0]).unlink()
     code, out = _wait(shm_dir, rows, stride, "vllm-0.33")
     assert code == 1 and f"{files[1][0]} is missing" in out, out
