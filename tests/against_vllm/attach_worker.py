@@ -44,11 +44,18 @@ def main() -> None:
     job = json.loads(sys.argv[1])
     rank, world, sync = job["rank"], job["world"], Path(job["sync_dir"])
     barrier = FileBarrier(sync, rank, world)
-    kwargs = {"num_segments": 32} if vllm.__version__.startswith("0.33") else {}
+    kwargs: dict[str, object] = {}
+    if vllm.__version__.startswith("0.33"):
+        kwargs["num_segments"] = 32
+    # MLA's replicated layout: every worker maps rank 0's cell (identical bytes) and pre-faults
+    # its share of the region; vLLM 0.33's create_worker passes exactly this
+    slot = 0 if job.get("replicated") else rank
+    if job.get("replicated") and "num_segments" in kwargs:  # 0.32 has no populate_shard
+        kwargs["populate_shard"] = (rank, world)
     region = SharedOffloadRegion(
         engine_id=job["engine_id"],
         num_chunks=job["num_chunks"],
-        rank=rank,
+        rank=slot,
         kv_bytes_per_chunk=job["kv_bytes_per_chunk"],
         cpu_page_size=job["cpu_page_size"],
         barrier=barrier,
@@ -58,14 +65,14 @@ def main() -> None:
     blocks = job.get("blocks") or range(job["num_chunks"])  # large regions: a sample of rows
     for tensor, view in enumerate(views):
         for block in blocks:
-            view[block].copy_(pattern("vllm", rank, block, tensor, job["tensor_page"]))
+            view[block].copy_(pattern("vllm", slot, block, tensor, job["tensor_page"]))
     (sync / f"written.{rank}").touch()
     wait_for((sync / "kvshm-wrote").exists)
     wrong = [
         [block, tensor]
         for tensor, view in enumerate(views)
         for block in blocks
-        if not view[block].equal(pattern("kvshm", rank, block, tensor, job["tensor_page"]))
+        if not view[block].equal(pattern("kvshm", slot, block, tensor, job["tensor_page"]))
     ]
     created = region._creator
     region.cleanup()

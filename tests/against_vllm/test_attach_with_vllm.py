@@ -75,6 +75,58 @@ def _wait_for_files(paths: list[Path], workers: list[subprocess.Popen[str]]) -> 
         time.sleep(0.05)
 
 
+def _exchange(
+    release: str, shm: str, region_dir: Path, engine_id: str, world: int, sync_dir: Path,
+    *, replicated: bool = False,
+) -> None:  # fmt: skip
+    """kvshm makes the region, vLLM's workers attach and write, kvshm reads and writes back,
+    the workers read; then the file is checked to be kvshm's, untouched, and alone."""
+    cell = TENSORS * TENSOR_PAGE
+    cells = 1 if replicated else world  # MLA: one copy of the latent per row, for every worker
+    assert cell * cells % 4096 == 0  # page-aligned rows: vLLM's padded stride is the same
+    with ExitStack() as stack:
+        creator = agent_made_region(region_dir, engine_id, NUM_BLOCKS, cell, cells, populate=True)
+        stack.callback(creator.cleanup)
+        region_file = region_dir / f"vllm_offload_{engine_id}.mmap"
+        inode = region_file.stat().st_ino
+        job = {
+            "engine_id": engine_id,
+            "num_chunks": NUM_BLOCKS,
+            "kv_bytes_per_chunk": cell * cells,
+            "cpu_page_size": cell,
+            "world": world,
+            "tensors": TENSORS,
+            "tensor_page": TENSOR_PAGE,
+            "sync_dir": str(sync_dir),
+            "replicated": replicated,
+        }
+        workers = [
+            _worker(release, shm, region_dir, {**job, "rank": rank}) for rank in range(world)
+        ]
+        for worker in workers:
+            stack.callback(worker.kill)
+        _wait_for_files([sync_dir / f"written.{rank}" for rank in range(world)], workers)
+
+        for slot in range(cells):
+            with _kvshm_views(region_dir, engine_id, slot, cells) as views:
+                for tensor, view in enumerate(views):
+                    for block in range(NUM_BLOCKS):
+                        expected = pattern("vllm", slot, block, tensor, TENSOR_PAGE)
+                        assert view[block].equal(expected), (slot, block, tensor)  # type: ignore[index]
+                        view[block].copy_(pattern("kvshm", slot, block, tensor, TENSOR_PAGE))  # type: ignore[index]
+        (sync_dir / "kvshm-wrote").touch()
+
+        reports = []
+        for worker in workers:
+            out, err = worker.communicate(timeout=300)
+            assert worker.returncode == 0, err[-4000:]
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+        assert reports == [{"version": release, "creator": False, "wrong": []}] * world
+        # vLLM attached as a joiner: the file is kvshm's, still there, and the only one
+        assert os.listdir(region_dir) == [region_file.name]
+        assert region_file.stat().st_ino == inode
+
+
 @pytest.mark.parametrize(
     ("release", "world", "shm", "engine_id"),
     [
@@ -90,45 +142,16 @@ def test_vllm_attaches_a_kvshm_region_and_both_see_every_byte(
 ) -> None:
     region_dir = shm_dir / "serving" / engine_id.replace("_", "-")
     region_dir.mkdir(parents=True)
-    cell = TENSORS * TENSOR_PAGE
-    assert cell * world % 4096 == 0  # page-aligned rows: vLLM's padded stride is the same
-    with ExitStack() as stack:
-        creator = agent_made_region(region_dir, engine_id, NUM_BLOCKS, cell, world, populate=True)
-        stack.callback(creator.cleanup)
-        region_file = region_dir / f"vllm_offload_{engine_id}.mmap"
-        inode = region_file.stat().st_ino
-        job = {
-            "engine_id": engine_id,
-            "num_chunks": NUM_BLOCKS,
-            "kv_bytes_per_chunk": cell * world,
-            "cpu_page_size": cell,
-            "world": world,
-            "tensors": TENSORS,
-            "tensor_page": TENSOR_PAGE,
-            "sync_dir": str(tmp_path),
-        }
-        workers = [
-            _worker(release, shm, region_dir, {**job, "rank": rank}) for rank in range(world)
-        ]
-        for worker in workers:
-            stack.callback(worker.kill)
-        _wait_for_files([tmp_path / f"written.{rank}" for rank in range(world)], workers)
+    _exchange(release, shm, region_dir, engine_id, world, tmp_path)
 
-        for rank in range(world):
-            with _kvshm_views(region_dir, engine_id, rank, world) as views:
-                for tensor, view in enumerate(views):
-                    for block in range(NUM_BLOCKS):
-                        expected = pattern("vllm", rank, block, tensor, TENSOR_PAGE)
-                        assert view[block].equal(expected), (rank, block, tensor)  # type: ignore[index]
-                        view[block].copy_(pattern("kvshm", rank, block, tensor, TENSOR_PAGE))  # type: ignore[index]
-        (tmp_path / "kvshm-wrote").touch()
 
-        reports = []
-        for worker in workers:
-            out, err = worker.communicate(timeout=300)
-            assert worker.returncode == 0, err[-4000:]
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-        assert reports == [{"version": release, "creator": False, "wrong": []}] * world
-        # vLLM attached as a joiner: the file is kvshm's, still there, and the only one
-        assert os.listdir(region_dir) == [region_file.name]
-        assert region_file.stat().st_ino == inode
+@pytest.mark.parametrize(("release", "world"), [("0.33.0", 2), ("0.33.0", 4), ("0.32.0", 2)])
+def test_vllm_attaches_a_replicated_mla_region(
+    shm_dir: Path, tmp_path: Path, release: str, world: int
+) -> None:
+    """MLA at TP > 1: every vLLM worker maps the one copy (rank 0's cell, each pre-faulting its
+    share on 0.33). kvshm's single-file library has no replicated flag yet; a one-cell region is
+    the same bytes."""
+    region_dir = shm_dir / "serving" / "mla-kv"
+    region_dir.mkdir(parents=True)
+    _exchange(release, "directory", region_dir, "mla-kv", world, tmp_path, replicated=True)
