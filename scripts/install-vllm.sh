@@ -3,10 +3,10 @@
 #   - vLLM 0.33.0 and the packages its config/offload modules import, into the venv, every one
 #     with --no-deps (scripts/vllm-requirements.txt pins them);
 #   - vLLM 0.32.0's Python sources (the last single-file region release) unpacked into
-#     <venv>/vllm-0.32, imported only by subprocesses that put it first on sys.path.
-# Usage: scripts/install-vllm.sh <venv python>. Idempotent: redone only when the requirements or
-# this script change. Set PIP_FIND_LINKS to a directory holding the vLLM wheels to skip the
-# download (pip's own variable; PyPI is used otherwise).
+#     <venv>/vllm-0.32.0, imported only by subprocesses that put it first on sys.path.
+# Usage: scripts/install-vllm.sh <venv python>. Idempotent (see below when it is redone). Set
+# PIP_FIND_LINKS to a directory holding the vLLM wheels to skip the download (pip's own
+# variable; PyPI is used otherwise).
 set -euo pipefail
 python=$1
 venv=$("$python" -c 'import sys; print(sys.prefix)')
@@ -15,7 +15,13 @@ stamp="$venv/.vllm-installed"
 old_release=0.32.0
 old_tree="$venv/vllm-$old_release"
 
-if [[ -f $stamp && ! $requirements -nt $stamp && ! scripts/install-vllm.sh -nt $stamp ]]; then
+# redone when the pins or this script change, and after kvshm's own (re)install (pyproject.toml),
+# which may have moved a package pinned here
+fresh=true
+for input in "$requirements" scripts/install-vllm.sh pyproject.toml "$venv/.kvshm-installed"; do
+    [[ -f $stamp && ! $input -nt $stamp ]] || fresh=false
+done
+if $fresh; then
     exit 0
 fi
 echo "== installing vLLM (no dependencies resolved) into $venv"
