@@ -16,6 +16,8 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp || scripts/setup.sh -nt $stamp ]]
     "$VENV/bin/pip" install -q -e ".[dev]"
     touch "$stamp"
 fi
+# vLLM 0.33.0 (and 0.32.0's sources) for tests/against_vllm (vLLM's own code): no deps resolved
+scripts/install-vllm.sh "$VENV/bin/python"
 export PATH="$VENV/bin:$PATH"
 # helm, hadolint, prometheus and promtool for the chart and monitoring tests (into .tools/bin)
 scripts/install-tools.sh "$VENV/bin/python"

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from kvshm.region import RegionError
 from kvshm.region.demo import add_demo_arguments, run_demo, run_demo_worker
+from kvshm.sizing.command import add_layout_arguments, run_layout
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -18,10 +19,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="create, populate and lock a region, attach one process per worker, report timings",
     )
     add_demo_arguments(demo)
+    layout = commands.add_parser(
+        "layout",
+        help="a model's config.json -> the OffloadRegion(s) and the vLLM flags that attach them",
+    )
+    add_layout_arguments(layout)
     worker = commands.add_parser("demo-worker", help=argparse.SUPPRESS)
     worker.add_argument("spec")
     args = parser.parse_args(argv)
     try:
+        if args.command == "layout":
+            return run_layout(args)
         if args.command == "demo-worker":
             return run_demo_worker(args.spec)
         return run_demo(args)

@@ -238,10 +238,14 @@ def _run_agent_with_capabilities(caps: set[str], regions: Path, root: Path) -> s
     return done.stdout
 
 
-def test_the_rendered_capabilities_are_enough_for_a_tenant_owned_region(shm_dir: Path) -> None:
-    """With exactly the DaemonSet's capabilities the agent creates, locks and (after a restart)
-    adopts a region owned by the serving pod's uid; one capability fewer and it cannot."""
-    _, spec = _agent(render())
+@pytest.mark.parametrize("values", EXAMPLE_VALUES, ids=values_id)
+def test_the_rendered_capabilities_are_enough_for_a_tenant_owned_region(
+    shm_dir: Path, values: Path | None
+) -> None:
+    """With exactly the DaemonSet's capabilities (defaults and every example values file: the
+    serving example runs as its own uid) the agent creates, locks and (after a restart) adopts a
+    region owned by the serving pod's uid; without DAC_OVERRIDE it cannot."""
+    _, spec = _agent(render(values))
     caps = set(spec["containers"][0]["securityContext"]["capabilities"]["add"])
     regions = shm_dir / "regions"
     regions.mkdir()

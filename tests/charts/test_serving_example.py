@@ -1,71 +1,160 @@
-"""examples/serving: a valid Deployment wired to its OffloadRegion the way the chart expects
-(region directory at /dev/shm, same node placement, uid/gid and instance id)."""
+"""examples/serving: valid Deployments wired to their OffloadRegions the way the chart expects
+(region files at /dev/shm, same placement, uid/gid), regions that are exactly what the
+`kvshm layout` command in their comments prints, vLLM flags that are exactly its --flags-only
+output, and an init container that waits for every file of every region."""
 
 from __future__ import annotations
 
+import shlex
+from itertools import takewhile
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import pytest
 import yaml
 
+from kvshm.cli import main
 from tests.charts.rendering import load_yaml_documents
 from tests.charts.tools import CHART, REPO
 
 EXAMPLE = REPO / "examples" / "serving"
+# (regions file, deployment file)
+DATA_PARALLEL = EXAMPLE / "data-parallel"
+EXAMPLES = [
+    (EXAMPLE / "offloadregion.yaml", EXAMPLE / "deployment.yaml"),
+    (DATA_PARALLEL / "offloadregions.yaml", DATA_PARALLEL / "deployment.yaml"),
+]
+IDS = ["single", "data-parallel"]
 
 
-def _objects() -> tuple[dict[str, Any], dict[str, Any]]:
-    [region] = load_yaml_documents(EXAMPLE / "offloadregion.yaml")
-    [deployment] = load_yaml_documents(EXAMPLE / "deployment.yaml")
-    return region, deployment
+def _objects(example: tuple[Path, Path]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    regions = load_yaml_documents(example[0])
+    [deployment] = load_yaml_documents(example[1])
+    return regions, deployment
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
 
-def test_deployment_is_valid_kubernetes() -> None:
-    _, deployment = _objects()
+def _row_stride(layout: dict[str, Any]) -> int:
+    copies = 1 if layout["replicated"] else layout["numWorkers"]
+    return -(-layout["cpuPageSize"] * copies // 4096) * 4096
+
+
+def region_files(region: dict[str, Any]) -> list[tuple[str, int]]:
+    """vLLM 0.33's files for a region and their sizes (the brief's vllm-0.33 format rule)."""
+    layout = region["spec"]["layout"]
+    rows, stride = layout["numBlocks"], _row_stride(layout)
+    files = 1
+    if layout["format"] == "vllm-0.33":
+        files = max(1, min(32, rows * stride // 2**30))
+    per_file = max(1, -(-rows // files))
+    base = f"vllm_offload_{region['spec']['instanceId']}.mmap"
+    return [
+        (f"{base}.{i}" if i else base, min(per_file, rows - row) * stride)
+        for i, row in enumerate(range(0, rows, per_file))
+    ]
+
+
+def _layout_command(path: Path) -> list[str]:
+    """The `kvshm layout` arguments a regions file's header comment says made it."""
+    lines = path.read_text().splitlines()
+    header = [line[1:].strip() for line in takewhile(lambda line: line.startswith("#"), lines)]
+    start = next(i for i, line in enumerate(header) if line.startswith("kvshm layout"))
+    parts = []
+    for line in header[start:]:
+        parts.append(line.removesuffix("\\"))
+        if not line.endswith("\\"):
+            break
+    command = shlex.split(" ".join(parts))
+    command[2] = str(REPO / command[2])  # the model's config.json, relative to the repository
+    return command[2:]
+
+
+def _run_layout(capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
+    assert main(["layout", *args]) == 0
+    out, _ = capsys.readouterr()
+    return out
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=IDS)
+def test_deployment_is_valid_kubernetes(example: tuple[Path, Path]) -> None:
+    _, deployment = _objects(example)
     kubernetes_validate.validate(deployment, "1.32.0", strict=True)
+    [configmap] = load_yaml_documents(EXAMPLE / "wait-for-region.yaml")
+    kubernetes_validate.validate(configmap, "1.32.0", strict=True)
 
 
-def test_region_directory_is_mounted_at_dev_shm() -> None:
-    region, deployment = _objects()
+@pytest.mark.parametrize("example", EXAMPLES, ids=IDS)
+def test_regions_are_what_kvshm_layout_prints(
+    example: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _layout_command(example[0])
+    regions, _ = _objects(example)
+    assert list(yaml.safe_load_all(_run_layout(capsys, args))) == regions
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=IDS)
+def test_engine_gets_exactly_the_flags_kvshm_layout_prints(
+    example: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _layout_command(example[0])
+    flags = _run_layout(capsys, [*args, "--flags-only"]).splitlines()
+    _, deployment = _objects(example)
+    [engine] = deployment["spec"]["template"]["spec"]["containers"]
+    assert engine["command"] == ["vllm", "serve"]
+    assert engine["args"][2:] == flags  # after the model and --port
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=IDS)
+def test_every_region_file_is_at_dev_shm_and_waited_for(example: tuple[Path, Path]) -> None:
+    regions, deployment = _objects(example)
     spec = deployment["spec"]["template"]["spec"]
     root = yaml.safe_load((CHART / "values.yaml").read_text())["regionRoot"]
-    meta = region["metadata"]
-    [volume] = [v for v in spec["volumes"] if "hostPath" in v]
-    assert volume["hostPath"] == {
-        "path": f"{root}/{meta['namespace']}/{meta['name']}",
-        "type": "Directory",
-    }
-    for container in [*spec["initContainers"], *spec["containers"]]:
-        [mount] = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
-        assert mount["mountPath"] == "/dev/shm", container["name"]
-
-
-def test_pod_matches_the_region_placement_owner_and_id() -> None:
-    region, deployment = _objects()
-    spec = deployment["spec"]["template"]["spec"]
-    assert deployment["metadata"]["namespace"] == region["metadata"]["namespace"]
-    assert spec["nodeSelector"] == region["spec"]["placement"]["nodeSelector"]
-    access = region["spec"]["access"]
-    assert spec["securityContext"]["runAsUser"] == access["uid"]
-    assert spec["securityContext"]["runAsGroup"] == access["gid"]
-    layout = region["spec"]["layout"]
-    size = layout["numBlocks"] * layout["cpuPageSize"] * layout["numWorkers"]
-    [wait] = spec["initContainers"]
-    assert _env(wait) == {
-        "KVSHM_INSTANCE_ID": region["spec"]["instanceId"],
-        "KVSHM_REGION_BYTES": str(size),
-    }
+    volumes = {v["name"]: v for v in spec["volumes"]}
     [engine] = spec["containers"]
-    assert _env(engine)["KVSHM_INSTANCE_ID"] == region["spec"]["instanceId"]
-    assert f"--tensor-parallel-size={layout['numWorkers']}" in engine["args"]
+    engine_mounts = {m["mountPath"]: volumes[m["name"]] for m in engine["volumeMounts"]}
+    waits = {_env(c)["KVSHM_INSTANCE_ID"]: c for c in spec["initContainers"]}
+    assert set(waits) == {r["spec"]["instanceId"] for r in regions}
+    for region in regions:
+        directory = f"{root}/{region['metadata']['namespace']}/{region['metadata']['name']}"
+        whole_dir = {"path": directory, "type": "Directory"}
+        if len(regions) == 1:  # the region's directory is the engine's /dev/shm
+            assert engine_mounts["/dev/shm"]["hostPath"] == whole_dir
+        else:  # each file mounted into /dev/shm from its region's directory
+            for name, _ in region_files(region):
+                mounted = engine_mounts[f"/dev/shm/{name}"]["hostPath"]
+                assert mounted == {"path": f"{directory}/{name}", "type": "File"}
+        wait = waits[region["spec"]["instanceId"]]
+        [mount] = [m for m in wait["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        assert volumes[mount["name"]]["hostPath"] == whole_dir
+        layout = region["spec"]["layout"]
+        assert _env(wait) == {
+            "KVSHM_INSTANCE_ID": region["spec"]["instanceId"],
+            "KVSHM_NUM_BLOCKS": str(layout["numBlocks"]),
+            "KVSHM_ROW_STRIDE": str(_row_stride(layout)),
+            "KVSHM_FORMAT": layout["format"],
+        }
+        assert wait["command"] == ["sh", "/kvshm/wait-for-region.sh"]
 
 
-def test_serving_pods_are_found_by_the_charts_pod_monitor() -> None:
-    _, deployment = _objects()
+@pytest.mark.parametrize("example", EXAMPLES, ids=IDS)
+def test_pod_matches_the_region_placement_and_owner(example: tuple[Path, Path]) -> None:
+    regions, deployment = _objects(example)
+    spec = deployment["spec"]["template"]["spec"]
+    for region in regions:
+        assert deployment["metadata"]["namespace"] == region["metadata"]["namespace"]
+        assert spec["nodeSelector"] == region["spec"]["placement"]["nodeSelector"]
+        access = region["spec"]["access"]
+        assert spec["securityContext"]["runAsUser"] == access["uid"]
+        assert spec["securityContext"]["runAsGroup"] == access["gid"]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=IDS)
+def test_serving_pods_are_found_by_the_charts_pod_monitor(example: tuple[Path, Path]) -> None:
+    _, deployment = _objects(example)
     monitor = yaml.safe_load((CHART / "values.yaml").read_text())["monitoring"]
     selector = monitor["servingPodMonitor"]["selector"]
     labels = deployment["spec"]["template"]["metadata"]["labels"]

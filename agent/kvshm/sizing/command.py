@@ -1,0 +1,114 @@
+"""`kvshm layout`: a model's config.json in; OffloadRegion YAML and vLLM's flags out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from kvshm.sizing.errors import SizingError
+from kvshm.sizing.model import load_config, model_kv_shape
+from kvshm.sizing.plan import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_BLOCKS_PER_CHUNK,
+    FORMATS,
+    Parallelism,
+    plan_offload,
+)
+from kvshm.sizing.render import describe, offload_regions, vllm_flags
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", help="the model's config.json, or a directory holding it (never downloaded)"
+    )
+    parser.add_argument(
+        "--id",
+        required=True,
+        help="the engine id given to vLLM (engine_id); under data parallelism vLLM appends "
+        "_dp<rank>, so each engine's region gets <id>_dp<rank>",
+    )
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--cpu-bytes", type=int, help="CPU bytes for each engine's region")
+    size.add_argument("--cpu-gib", type=float, help="the same in GiB (2^30 bytes)")
+    parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    parser.add_argument("--data-parallel-size", "--dp", type=int, default=1)
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="vLLM's --block-size (tokens per KV block; MLA backends often need 64)",
+    )
+    parser.add_argument(
+        "--blocks-per-chunk",
+        type=int,
+        default=DEFAULT_BLOCKS_PER_CHUNK,
+        help="blocks per offloaded chunk (one region row); vLLM's default is 1",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype: auto, bf16, fp16, fp8"
+    )
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=FORMATS[0],
+        help="region files for vLLM 0.33 (segmented at 2 GiB and up) or 0.27-0.32 (one file)",
+    )
+    parser.add_argument("--name", help="the OffloadRegion's name (default: the id)")
+    parser.add_argument("--namespace")
+    parser.add_argument(
+        "--node-selector",
+        type=_label,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="spec.placement.nodeSelector (repeatable)",
+    )
+    parser.add_argument("--uid", type=int, help="spec.access.uid: the serving container's user")
+    parser.add_argument("--gid", type=int, help="spec.access.gid")
+    parser.add_argument(
+        "--flags-only",
+        action="store_true",
+        help="print only vLLM's flags, one per line (for a container's args)",
+    )
+
+
+def run_layout(args: argparse.Namespace) -> int:
+    try:
+        shape = model_kv_shape(load_config(args.model), args.model)
+        cpu_bytes = args.cpu_bytes if args.cpu_bytes is not None else int(args.cpu_gib * 2**30)
+        plan = plan_offload(
+            shape,
+            args.id,
+            cpu_bytes,
+            Parallelism(args.tensor_parallel_size, args.data_parallel_size),
+            block_size=args.block_size,
+            blocks_per_chunk=args.blocks_per_chunk,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        documents = offload_regions(
+            plan,
+            args.name or args.id,
+            namespace=args.namespace,
+            region_format=args.format,
+            node_selector=dict(args.node_selector),
+            uid=args.uid,
+            gid=args.gid,
+        )
+    except (SizingError, ValueError) as exc:
+        print(f"kvshm layout: {exc}", file=sys.stderr)
+        return 2
+    if args.flags_only:
+        print("\n".join(vllm_flags(plan)))
+        return 0
+    print("\n".join(f"# {line}" for line in describe(plan)))
+    print(yaml.safe_dump_all(documents, sort_keys=False), end="")
+    return 0

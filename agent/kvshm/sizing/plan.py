@@ -1,0 +1,107 @@
+"""From a model's KV shape, vLLM's parallelism and a CPU budget to the region layout vLLM 0.33's
+CPUOffloadingSpec computes: chunks of blocks_per_chunk blocks, one cell per worker per chunk (or
+one shared cell for MLA's replicated layout), each row padded to a page."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvshm.sizing.errors import SizingError
+from kvshm.sizing.model import ModelKVShape, normalise_kv_cache_dtype
+
+ROW_ALIGNMENT = 4096  # vLLM's SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT (mmap.PAGESIZE)
+DEFAULT_BLOCK_SIZE = 16  # vLLM's --block-size default for CUDA attention backends
+DEFAULT_BLOCKS_PER_CHUNK = 1  # vLLM's default when kv_connector_extra_config names none
+FORMATS = ("vllm-0.33", "vllm-0.27")  # the region formats vLLM itself reads (see docs/vllm.md)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SizingError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RegionPlan:
+    """One engine's region: what the OffloadRegion's layout says and what vLLM is told."""
+
+    engine_id: str  # the id vLLM names the file after (with _dp<rank> under data parallelism)
+    num_blocks: int  # vLLM's num_chunks
+    cpu_page_size: int  # vLLM's cpu_page_size_per_worker
+    num_workers: int  # tensor-parallel size
+    replicated: bool  # MLA: one copy per row, every worker maps it
+    row_stride: int  # vLLM's kv_bytes_per_chunk (padded)
+    blocks_per_chunk: int
+
+    @property
+    def cpu_bytes_to_use(self) -> int:
+        """What vLLM is given: exactly the region, so it computes the same num_chunks."""
+        return self.num_blocks * self.row_stride
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """The regions (one per data-parallel engine) and the numbers vLLM's flags carry."""
+
+    engine_id: str  # the id given to vLLM (before vLLM appends _dp<rank>)
+    parallelism: Parallelism
+    block_size: int
+    kv_cache_dtype: str
+    worker_bytes_per_block: int
+    regions: tuple[RegionPlan, ...]
+
+
+def plan_offload(
+    shape: ModelKVShape,
+    engine_id: str,
+    cpu_bytes: int,
+    parallelism: Parallelism,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    blocks_per_chunk: int = DEFAULT_BLOCKS_PER_CHUNK,
+    kv_cache_dtype: str = "auto",
+) -> OffloadPlan:
+    """The layout vLLM 0.33 computes for this model, given cpu_bytes per engine."""
+    for name, value in (("block_size", block_size), ("blocks_per_chunk", blocks_per_chunk)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SizingError(f"{name} must be a positive integer, got {value!r}")
+    tp = parallelism.tensor_parallel_size
+    worker_block = shape.worker_bytes_per_block(tp, block_size, kv_cache_dtype)
+    # vLLM keeps one copy of MLA's latent when every TP worker holds the same bytes
+    replicated = shape.mla and tp > 1
+    copies = 1 if replicated else tp
+    cpu_page_size = worker_block * blocks_per_chunk
+    row_stride = round_up(cpu_page_size * copies, ROW_ALIGNMENT)
+    num_blocks = cpu_bytes // row_stride
+    if num_blocks < 1:
+        raise SizingError(
+            f"{cpu_bytes} CPU bytes hold no chunk: one chunk ({blocks_per_chunk} block(s) of "
+            f"{block_size} tokens on {copies} worker cell(s)) takes {row_stride} bytes"
+        )
+    ids = (
+        [engine_id]
+        if parallelism.data_parallel_size == 1
+        else [f"{engine_id}_dp{rank}" for rank in range(parallelism.data_parallel_size)]
+    )
+    regions = tuple(
+        RegionPlan(id_, num_blocks, cpu_page_size, tp, replicated, row_stride, blocks_per_chunk)
+        for id_ in ids
+    )
+    return OffloadPlan(
+        engine_id,
+        parallelism,
+        block_size,
+        normalise_kv_cache_dtype(kv_cache_dtype),
+        worker_block,
+        regions,
+    )

@@ -1,0 +1,157 @@
+"""vLLM's own SharedOffloadRegion attaches a region kvshm created: one process per rank, each in
+its own mount namespace whose /dev/shm is the region's directory (as a serving pod sees it),
+called exactly as that release's CPUOffloadingSpec.create_worker calls it. Every (rank, block,
+tensor) slice vLLM writes is what kvshm reads, and the reverse; vLLM never removes the file.
+
+Single-file regions with page-aligned rows (the vllm-0.27 format, below 2 GiB): what kvshm's
+region library makes today. vLLM 0.33.0 and 0.32.0 (the last single-file release)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.against_vllm.patterns import pattern
+from tests.against_vllm.vllm_code import HERE, vllm_env
+from tests.agent_region import agent_made_region, attach_as_worker
+
+TENSORS = 4  # canonical tensors per worker cell (e.g. K and V of two layers)
+TENSOR_PAGE = 3 * 1024  # bytes of one tensor in one chunk
+NUM_BLOCKS = 40
+ENGINE_ID = "llama-kv"
+
+
+# How the serving pod sees the region (examples/serving): its directory as /dev/shm, or (data
+# parallelism) a tmpfs /dev/shm with each region file mounted onto it.
+MOUNT_SHM = {
+    "directory": 'mount --bind "$0" /dev/shm',
+    "files": 'stage=$(mktemp -d) && mount -t tmpfs -o size=16m tmpfs "$stage" && '
+    'for file in "$0"/*; do name=${file##*/}; : > "$stage/$name" && '
+    'mount --bind "$file" "$stage/$name"; done && mount --move "$stage" /dev/shm',
+}
+
+
+def _worker(
+    release: str, shm: str, region_dir: Path, job: dict[str, object]
+) -> subprocess.Popen[str]:
+    """`unshare --mount`: a private mount namespace whose /dev/shm shows the region."""
+    return subprocess.Popen(
+        [
+            "unshare", "--mount", "--propagation", "private", "sh", "-c",
+            f'{MOUNT_SHM[shm]} && exec "$@"',
+            str(region_dir), sys.executable, str(HERE / "attach_worker.py"), json.dumps(job),
+        ],
+        env={**vllm_env(release), "TMPDIR": str(job["sync_dir"])},  # mktemp's stage: the test's
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+@contextmanager
+def _kvshm_views(region_dir: Path, engine_id: str, rank: int, world: int) -> Iterator[list[object]]:
+    region = attach_as_worker(region_dir, engine_id, NUM_BLOCKS, TENSORS * TENSOR_PAGE, world, rank)
+    try:
+        yield [region.create_next_view(TENSOR_PAGE) for _ in range(TENSORS)]
+    finally:
+        region.cleanup()
+
+
+def _wait_for_files(paths: list[Path], workers: list[subprocess.Popen[str]]) -> None:
+    deadline = time.monotonic() + 300
+    while not all(path.exists() for path in paths):
+        for worker in workers:
+            if worker.poll() is not None:
+                raise AssertionError(f"a vLLM worker exited early: {worker.communicate()}")
+        assert time.monotonic() < deadline, "vLLM workers did not write in time"
+        time.sleep(0.05)
+
+
+def _exchange(
+    release: str, shm: str, region_dir: Path, engine_id: str, world: int, sync_dir: Path,
+    *, replicated: bool = False,
+) -> None:  # fmt: skip
+    """kvshm makes the region, vLLM's workers attach and write, kvshm reads and writes back,
+    the workers read; then the file is checked to be kvshm's, untouched, and alone."""
+    cell = TENSORS * TENSOR_PAGE
+    cells = 1 if replicated else world  # MLA: one copy of the latent per row, for every worker
+    assert cell * cells % 4096 == 0  # page-aligned rows: vLLM's padded stride is the same
+    with ExitStack() as stack:
+        creator = agent_made_region(region_dir, engine_id, NUM_BLOCKS, cell, cells, populate=True)
+        stack.callback(creator.cleanup)
+        region_file = region_dir / f"vllm_offload_{engine_id}.mmap"
+        inode = region_file.stat().st_ino
+        job = {
+            "engine_id": engine_id,
+            "num_chunks": NUM_BLOCKS,
+            "kv_bytes_per_chunk": cell * cells,
+            "cpu_page_size": cell,
+            "world": world,
+            "tensors": TENSORS,
+            "tensor_page": TENSOR_PAGE,
+            "sync_dir": str(sync_dir),
+            "replicated": replicated,
+        }
+        workers = [
+            _worker(release, shm, region_dir, {**job, "rank": rank}) for rank in range(world)
+        ]
+        for worker in workers:
+            stack.callback(worker.kill)
+        _wait_for_files([sync_dir / f"written.{rank}" for rank in range(world)], workers)
+
+        for slot in range(cells):
+            with _kvshm_views(region_dir, engine_id, slot, cells) as views:
+                for tensor, view in enumerate(views):
+                    for block in range(NUM_BLOCKS):
+                        expected = pattern("vllm", slot, block, tensor, TENSOR_PAGE)
+                        assert view[block].equal(expected), (slot, block, tensor)  # type: ignore[index]
+                        view[block].copy_(pattern("kvshm", slot, block, tensor, TENSOR_PAGE))  # type: ignore[index]
+        (sync_dir / "kvshm-wrote").touch()
+
+        reports = []
+        for worker in workers:
+            out, err = worker.communicate(timeout=300)
+            assert worker.returncode == 0, err[-4000:]
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+        assert reports == [{"version": release, "creator": False, "wrong": []}] * world
+        # vLLM attached as a joiner: the file is kvshm's, still there, and the only one
+        assert os.listdir(region_dir) == [region_file.name]
+        assert region_file.stat().st_ino == inode
+
+
+@pytest.mark.parametrize(
+    ("release", "world", "shm", "engine_id"),
+    [
+        ("0.33.0", 1, "directory", ENGINE_ID),
+        ("0.33.0", 2, "directory", ENGINE_ID),
+        ("0.33.0", 4, "directory", ENGINE_ID),
+        ("0.33.0", 2, "files", f"{ENGINE_ID}_dp1"),  # a data-parallel engine's region
+        ("0.32.0", 2, "directory", ENGINE_ID),
+    ],
+)
+def test_vllm_attaches_a_kvshm_region_and_both_see_every_byte(
+    shm_dir: Path, tmp_path: Path, release: str, world: int, shm: str, engine_id: str
+) -> None:
+    region_dir = shm_dir / "serving" / engine_id.replace("_", "-")
+    region_dir.mkdir(parents=True)
+    _exchange(release, shm, region_dir, engine_id, world, tmp_path)
+
+
+@pytest.mark.parametrize(("release", "world"), [("0.33.0", 2), ("0.33.0", 4), ("0.32.0", 2)])
+def test_vllm_attaches_a_replicated_mla_region(
+    shm_dir: Path, tmp_path: Path, release: str, world: int
+) -> None:
+    """MLA at TP > 1: every vLLM worker maps the one copy (rank 0's cell, each pre-faulting its
+    share on 0.33). kvshm's single-file library has no replicated flag yet; a one-cell region is
+    the same bytes."""
+    region_dir = shm_dir / "serving" / "mla-kv"
+    region_dir.mkdir(parents=True)
+    _exchange(release, "directory", region_dir, "mla-kv", world, tmp_path, replicated=True)

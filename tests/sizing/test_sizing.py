@@ -1,0 +1,146 @@
+"""kvshm.sizing and `kvshm layout`: per-worker bytes per block for the shipped public configs,
+the regions and flags it prints, and clear refusals for what it cannot size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvshm.cli import main
+from kvshm.sizing import (
+    Parallelism,
+    SizingError,
+    UnsupportedModelError,
+    load_config,
+    model_kv_shape,
+    plan_offload,
+)
+
+MODELS = Path(__file__).resolve().parent / "models"
+
+
+def _shape(model: str) -> Any:
+    return model_kv_shape(load_config(str(MODELS / model)))
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "dtype", "expected"),
+    [
+        ("llama-3.1-70b", 4, "auto", 80 * 2 * 2 * 128 * 16 * 2),  # 1,310,720
+        ("llama-3.1-70b", 16, "auto", 80 * 2 * 1 * 128 * 16 * 2),  # heads replicated
+        ("llama-3.1-8b", 1, "fp8", 32 * 2 * 8 * 128 * 16 * 1),
+        ("qwen2.5-7b", 2, "bf16", 28 * 2 * 2 * 128 * 16 * 2),
+        ("mistral-7b-v0.1", 8, "fp16", 32 * 2 * 1 * 128 * 16 * 2),
+        ("deepseek-v2-lite", 4, "auto", 27 * (512 + 64) * 16 * 2),  # MLA: one latent, any TP
+    ],
+)
+def test_worker_bytes_per_block(model: str, tp: int, dtype: str, expected: int) -> None:
+    assert _shape(model).worker_bytes_per_block(tp, 16, dtype) == expected
+
+
+def test_rows_are_padded_to_a_page_and_budget_is_exact() -> None:
+    plan = plan_offload(_shape("qwen2.5-7b"), "q", 10**9, Parallelism(1), blocks_per_chunk=3)
+    [region] = plan.regions
+    assert region.cpu_page_size == 3 * 28 * 2 * 4 * 128 * 16 * 2
+    assert region.row_stride % 4096 == 0 and region.row_stride >= region.cpu_page_size
+    assert region.num_blocks == 10**9 // region.row_stride
+    assert region.cpu_bytes_to_use == region.num_blocks * region.row_stride
+
+
+def test_mla_is_replicated_only_with_several_workers() -> None:
+    shape = _shape("deepseek-v2-lite")
+    assert not plan_offload(shape, "d", 1 << 30, Parallelism(1)).regions[0].replicated
+    [region] = plan_offload(shape, "d", 1 << 30, Parallelism(4)).regions
+    assert region.replicated and region.row_stride == -(-region.cpu_page_size // 4096) * 4096
+
+
+def _layout(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["layout", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_prints_one_region_per_data_parallel_engine_and_the_flags(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    common = [str(MODELS / "llama-3.1-8b"), "--id", "llama8", "--cpu-gib", "2", "--tp", "2"]
+    code, out, err = _layout(capsys, *common, "--dp", "2", "--namespace", "serving")
+    assert code == 0, err
+    documents = list(yaml.safe_load_all(out))
+    assert [d["metadata"]["name"] for d in documents] == ["llama8-dp0", "llama8-dp1"]
+    assert [d["spec"]["instanceId"] for d in documents] == ["llama8_dp0", "llama8_dp1"]
+    layout = documents[0]["spec"]["layout"]
+    assert layout == {
+        "format": "vllm-0.33",
+        "numBlocks": (2 << 30) // (2 * 32 * 2 * 4 * 128 * 16 * 2),
+        "cpuPageSize": 32 * 2 * 4 * 128 * 16 * 2,
+        "numWorkers": 2,
+        "replicated": False,
+    }
+    code, out, err = _layout(capsys, *common, "--dp", "2", "--flags-only")
+    flags = out.splitlines()
+    assert flags[:4] == [
+        "--tensor-parallel-size=2",
+        "--data-parallel-size=2",
+        "--block-size=16",
+        "--kv-cache-dtype=auto",
+    ]
+    assert flags[4] == "--kv-transfer-config"
+    transfer = json.loads(flags[5])
+    assert transfer == {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "engine_id": "llama8",
+        "kv_connector_extra_config": {
+            "cpu_bytes_to_use": layout["numBlocks"] * 2 * layout["cpuPageSize"],
+            "blocks_per_chunk": 1,
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ({"model_type": "jamba", "num_hidden_layers": 4}, "state-space"),
+        ({"model_type": "gemma3_text", "num_hidden_layers": 2, "sliding_window": 512,
+          "layer_types": ["sliding_attention", "full_attention"]}, "sliding-window or linear"),
+        ({"model_type": "qwen2", "num_hidden_layers": 28, "sliding_window": 4096,
+          "use_sliding_window": True, "max_window_layers": 21}, "layers 21 and up"),
+        ({"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 512,
+          "layer_types": ["sliding_attention"] * 2}, "full-attention models"),
+        ({"model_type": "llama4", "text_config": {}}, "multimodal"),
+        ({"model_type": "deepseek_v32", "num_hidden_layers": 2, "kv_lora_rank": 512}, "MLA"),
+        ({"model_type": "llama"}, "num_hidden_layers"),
+    ],
+)  # fmt: skip
+def test_models_it_cannot_size_are_refused_with_the_reason(
+    config: dict[str, Any], says: str
+) -> None:
+    with pytest.raises(UnsupportedModelError, match=says):
+        model_kv_shape(config)
+
+
+def test_bad_parallelism_dtype_and_budget_are_refused() -> None:
+    shape = _shape("llama-3.1-8b")  # 8 KV heads
+    with pytest.raises(UnsupportedModelError, match="cannot be split over tensor-parallel size 3"):
+        shape.worker_bytes_per_block(3, 16, "auto")
+    with pytest.raises(UnsupportedModelError, match="nvfp4"):
+        shape.worker_bytes_per_block(1, 16, "nvfp4")
+    with pytest.raises(SizingError, match="hold no chunk"):
+        plan_offload(shape, "x", 4096, Parallelism(1))
+    llama = load_config(str(MODELS / "llama-3.1-8b"))
+    float32 = model_kv_shape({**llama, "torch_dtype": "float32"})
+    with pytest.raises(UnsupportedModelError, match="pass the dtype"):
+        float32.worker_bytes_per_block(1, 16, "auto")
+
+
+def test_cli_refuses_a_hub_id_saying_how_to_fetch_the_config(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = _layout(capsys, "meta-llama/Llama-3.1-8B", "--id", "x", "--cpu-gib", "1")
+    assert code == 2 and not out
+    assert "never downloads" in err and "huggingface-cli download meta-llama/Llama-3.1-8B" in err
