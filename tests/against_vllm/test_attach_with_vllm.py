@@ -3,8 +3,9 @@ its own mount namespace whose /dev/shm is the region's directory (as a serving p
 called exactly as that release's CPUOffloadingSpec.create_worker calls it. Every (rank, block,
 tensor) slice vLLM writes is what kvshm reads, and the reverse; vLLM never removes the file.
 
-Single-file regions with page-aligned rows (the vllm-0.27 format, below 2 GiB): what kvshm's
-region library makes today. vLLM 0.33.0 and 0.32.0 (the last single-file release)."""
+Single-file regions with page-aligned rows, below 2 GiB, in the format of the release attaching
+them (vllm-0.33 for vLLM 0.33.0, vllm-0.27 for 0.32.0, the last single-file release), and MLA's
+replicated layout; test_attach_segmented.py attaches segmented, padded ones."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kvshm.region import RegionFormat
 from tests.against_vllm.patterns import pattern
 from tests.against_vllm.vllm_code import HERE, vllm_env
 from tests.agent_region import agent_made_region, attach_as_worker
@@ -27,6 +29,8 @@ TENSORS = 4  # canonical tensors per worker cell (e.g. K and V of two layers)
 TENSOR_PAGE = 3 * 1024  # bytes of one tensor in one chunk
 NUM_BLOCKS = 40
 ENGINE_ID = "llama-kv"
+# the region format each vLLM release expects
+FORMATS = {"0.33.0": RegionFormat.VLLM_0_33, "0.32.0": RegionFormat.VLLM_0_27}
 
 
 # How the serving pod sees the region (examples/serving): its directory as /dev/shm, or (data
@@ -57,8 +61,14 @@ def _worker(
 
 
 @contextmanager
-def _kvshm_views(region_dir: Path, engine_id: str, rank: int, world: int) -> Iterator[list[object]]:
-    region = attach_as_worker(region_dir, engine_id, NUM_BLOCKS, TENSORS * TENSOR_PAGE, world, rank)
+def _kvshm_views(
+    region_dir: Path, engine_id: str, rank: int, world: int, region_format: RegionFormat,
+    replicated: bool,
+) -> Iterator[list[object]]:  # fmt: skip
+    region = attach_as_worker(
+        region_dir, engine_id, NUM_BLOCKS, TENSORS * TENSOR_PAGE, world, rank,
+        region_format=region_format, replicated=replicated,
+    )  # fmt: skip
     try:
         yield [region.create_next_view(TENSOR_PAGE) for _ in range(TENSORS)]
     finally:
@@ -84,8 +94,13 @@ def _exchange(
     cell = TENSORS * TENSOR_PAGE
     cells = 1 if replicated else world  # MLA: one copy of the latent per row, for every worker
     assert cell * cells % 4096 == 0  # page-aligned rows: vLLM's padded stride is the same
+    region_format = FORMATS[release]
     with ExitStack() as stack:
-        creator = agent_made_region(region_dir, engine_id, NUM_BLOCKS, cell, cells, populate=True)
+        creator = agent_made_region(
+            region_dir, engine_id, NUM_BLOCKS, cell, world, populate=True,
+            region_format=region_format, replicated=replicated,
+        )  # fmt: skip
+        assert creator.layout.row_stride == cell * cells
         stack.callback(creator.cleanup)
         region_file = region_dir / f"vllm_offload_{engine_id}.mmap"
         inode = region_file.stat().st_ino
@@ -107,8 +122,10 @@ def _exchange(
             stack.callback(worker.kill)
         _wait_for_files([sync_dir / f"written.{rank}" for rank in range(world)], workers)
 
-        for slot in range(cells):
-            with _kvshm_views(region_dir, engine_id, slot, cells) as views:
+        for slot in range(cells):  # replicated: rank 0's cell is every worker's
+            with _kvshm_views(
+                region_dir, engine_id, slot, world, region_format, replicated
+            ) as views:
                 for tensor, view in enumerate(views):
                     for block in range(NUM_BLOCKS):
                         expected = pattern("vllm", slot, block, tensor, TENSOR_PAGE)
@@ -150,8 +167,7 @@ def test_vllm_attaches_a_replicated_mla_region(
     shm_dir: Path, tmp_path: Path, release: str, world: int
 ) -> None:
     """MLA at TP > 1: every vLLM worker maps the one copy (rank 0's cell, each pre-faulting its
-    share on 0.33). kvshm's single-file library has no replicated flag yet; a one-cell region is
-    the same bytes."""
+    share on 0.33); kvshm makes the region with its replicated layout for `world` workers."""
     region_dir = shm_dir / "serving" / "mla-kv"
     region_dir.mkdir(parents=True)
     _exchange(release, "directory", region_dir, "mla-kv", world, tmp_path, replicated=True)
