@@ -6,6 +6,7 @@ group barrier vLLM passes)."""
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import multiprocessing
 import os
@@ -14,7 +15,10 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.synchronize import Barrier, Event
+from pathlib import Path
 from typing import Any
+
+from bench import vllm_modules
 
 from kvshm.region import RegionFormat, RegionLayout, SharedOffloadRegion
 
@@ -243,3 +247,17 @@ def _rank_main(
         start.abort()
         barrier.abort()
         raise
+
+
+def add_region_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--directory", default=DEV_SHM, help="tmpfs for the regions")
+    parser.add_argument("--vllm-src", help="directory holding vllm/... (default .vllm-src)")
+
+
+def vllm_source(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The vLLM source root the rank processes load (None: the default) and a line saying
+    which vLLM it is, after loading it here once to check it."""
+    root = str(Path(args.vllm_src).resolve()) if args.vllm_src else None
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not vLLM's INFO lines per rank
+    loaded = vllm_modules.load(Path(root) if root else None)
+    return root, f"{loaded.describe()}; {len(os.sched_getaffinity(0))} cores; {args.directory}"

@@ -64,9 +64,11 @@ from bench import vllm_modules  # noqa: E402
 from bench.region_common import (  # noqa: E402
     AgentRegion,
     Geometry,
+    add_region_options,
     open_vllm_region,
     run_ranks,
     show_as_dev_shm,
+    vllm_source,
 )
 
 from kvshm.region import SharedOffloadRegion  # noqa: E402
@@ -322,9 +324,8 @@ def main() -> None:
     )
     parser.add_argument("--gib", type=float, nargs="+", help="region sizes (default 16 64)")
     parser.add_argument("--tp", type=int, nargs="+", help="tensor-parallel sizes (default 1 4)")
-    parser.add_argument("--directory", default="/dev/shm", help="tmpfs for the regions")
     parser.add_argument("--repeat", type=int, default=1, help="runs per case; medians shown")
-    parser.add_argument("--vllm-src", help="directory holding vllm/... (default .vllm-src)")
+    add_region_options(parser)
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument(
         "--quick", action="store_true", help="CPU check: 2 GiB, TP 1 and 4, no registration"
@@ -337,14 +338,9 @@ def main() -> None:
         raise SystemExit("no CUDA device: registration is part of this benchmark; use --quick")
     sizes = args.gib or ([2.0] if args.quick else [16.0, 64.0])
     tps = args.tp or [1, 4]
-    vllm_root = str(Path(args.vllm_src).resolve()) if args.vllm_src else None
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines per rank
-    print(
-        f"{vllm_modules.load(Path(vllm_root) if vllm_root else None).describe()}; "
-        f"{len(os.sched_getaffinity(0))} cores; "
-        + (torch.cuda.get_device_name() if register else "no CUDA")
-        + f"; {args.directory}; median of {args.repeat}"
-    )
+    vllm_root, description = vllm_source(args)
+    device = torch.cuda.get_device_name() if register else "no CUDA"
+    print(f"{description}; {device}; median of {args.repeat}")
     if not register:
         print(
             "NOTE: no CUDA device, so no registration: 'register', 'inline' and 'xfer-ready' "

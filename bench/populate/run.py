@@ -44,9 +44,11 @@ sys.path.insert(0, str(REPO))
 from bench import vllm_modules  # noqa: E402
 from bench.region_common import (  # noqa: E402
     Geometry,
+    add_region_options,
     open_vllm_region,
     run_ranks,
     show_as_dev_shm,
+    vllm_source,
 )
 
 from kvshm.region import SharedOffloadRegion  # noqa: E402
@@ -121,15 +123,13 @@ def main() -> None:
     parser.add_argument("--gib", type=float, help="region size (default 64)")
     parser.add_argument("--tp", type=int, nargs="+", help="vLLM per-rank runs (default 4)")
     parser.add_argument("--threads", type=int, nargs="+", help="kvshm threads (default: agent's)")
-    parser.add_argument("--directory", default="/dev/shm", help="tmpfs for the regions")
     parser.add_argument("--repeat", type=int, help="runs per method; median shown (default 3)")
-    parser.add_argument("--vllm-src", help="directory holding vllm/... (default .vllm-src)")
+    add_region_options(parser)
     parser.add_argument("--quick", action="store_true", help="CPU check: 2 GiB, one run")
     args = parser.parse_args()
     gib = args.gib or (2.0 if args.quick else 64.0)
     repeat = args.repeat or (1 if args.quick else 3)
-    vllm_root = str(Path(args.vllm_src).resolve()) if args.vllm_src else None
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    vllm_root, description = vllm_source(args)
     geometry = Geometry.for_size(gib, POPULATE_TP)
     size = geometry.size_bytes
     base = f"kvshm-bench-populate-{os.getpid()}"
@@ -149,10 +149,7 @@ def main() -> None:
             run_ranks(vllm_populate, t, vllm_root, base, g, args.directory, True)
         )
 
-    print(
-        f"{vllm_modules.load(Path(vllm_root) if vllm_root else None).describe()}; "
-        f"{len(os.sched_getaffinity(0))} cores; {args.directory}; median of {repeat}"
-    )
+    print(f"{description}; median of {repeat}")
     print(f"populate {geometry.describe()}")
     samples: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(repeat):  # interleaved, so a drifting machine hurts every method alike
