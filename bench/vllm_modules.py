@@ -25,7 +25,9 @@ What runs is vLLM's, and what is plumbing:
   classes `vllm/logger.py` imports from it; and `vllm.platforms.current_platform` is a stand-in
   that answers `is_cuda_alike()` from torch (CUDA build with a visible device), `is_rocm()`
   and `is_xpu()` False, so `host_register` takes its CUDA path where vLLM's platform
-  detection would.
+  detection would; `vllm.distributed.parallel_state` is a stand-in whose `is_local_first_rank`
+  and `is_global_first_rank` answer True, as vLLM's do when torch.distributed is not
+  initialized (only vLLM's logger's `*_once` methods ask them).
 
     python3 bench/vllm_modules.py extract <vllm wheel> <directory>   # what the script runs
     python3 bench/vllm_modules.py check [<directory>]                 # load and list what ran
@@ -222,6 +224,12 @@ def load(root: Path | None = None) -> VllmModules:
     platforms.current_platform = _PlatformStandIn()  # type: ignore[attr-defined]
     sys.modules["vllm.platforms"] = platforms
     sys.modules["vllm"].platforms = platforms  # type: ignore[attr-defined]
+    # plumbing for vLLM's logger's *_once methods: with torch.distributed not initialized (as
+    # here) vLLM's own is_local_first_rank / is_global_first_rank answer True
+    parallel_state = types.ModuleType("vllm.distributed.parallel_state")
+    parallel_state.is_local_first_rank = lambda: True  # type: ignore[attr-defined]
+    parallel_state.is_global_first_rank = lambda: True  # type: ignore[attr-defined]
+    sys.modules["vllm.distributed.parallel_state"] = parallel_state
 
     loaded: dict[str, types.ModuleType] = {}
     for item in LOAD_ORDER:

@@ -146,13 +146,22 @@ def vllm_rank(
     started = time.monotonic()
     region = open_vllm_region(vllm, engine_id, geometry, rank, barrier)
     ready = time.monotonic()
-    result = {"rank": rank, "start": started, "ready": ready}
+    result = {"rank": rank, "start": started, "ready": ready, "joined": maps_named_file(region)}
     if register:
         result |= register_in_background(
             lambda: vllm.pin_mmap_region(region, worker_slot_only=True) or region.is_pinned
         )
     results.put(result)
     region.cleanup()
+
+
+def maps_named_file(region: Any) -> bool:
+    """Whether vLLM's region maps the file its name still names: true for a joiner of the
+    agent's region, false for vLLM's own (its creator unlinks the files at the barrier)."""
+    try:
+        return os.stat(region.mmap_path).st_ino == os.fstat(region.fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def kvshm_rank(
@@ -251,17 +260,19 @@ def run_once(
         times["kvshm_attach"] = PathTimes.of(
             run_ranks(kvshm_rank, tp, agent_id, geometry, directory, register)
         )
-        times["vllm_joiner"] = PathTimes.of(
-            run_ranks(vllm_rank, tp, vllm_root, agent_id, geometry, directory, register)
-        )
+        joiner = run_ranks(vllm_rank, tp, vllm_root, agent_id, geometry, directory, register)
+        if not all(rank["joined"] for rank in joiner):
+            raise SystemExit("vLLM did not join the agent's region (did it see the directory?)")
+        times["vllm_joiner"] = PathTimes.of(joiner)
         kept = files_present(directory, geometry, agent_id)
         if len(kept) != geometry.kvshm_layout().file_count:
             raise SystemExit(f"vLLM's joiner removed agent files: only {kept} are left")
     finally:
         agent.close()  # the agent's region is gone before vLLM makes its own
-    times["vllm_creator"] = PathTimes.of(
-        run_ranks(vllm_rank, tp, vllm_root, own_id, geometry, directory, register)
-    )
+    creator = run_ranks(vllm_rank, tp, vllm_root, own_id, geometry, directory, register)
+    if any(rank["joined"] for rank in creator):
+        raise SystemExit("vLLM's creator did not unlink its files at the barrier")
+    times["vllm_creator"] = PathTimes.of(creator)
     left = files_present(directory, geometry, own_id)
     if left:
         raise SystemExit(f"vLLM's creator left {left} behind")
