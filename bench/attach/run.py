@@ -16,7 +16,9 @@ Each (size, TP) runs TP rank processes as vLLM runs its tensor-parallel workers,
    but each rank still runs its populate loop over its cells.
 3. kvshm attach of the agent's region: kvshm's `SharedOffloadRegion(id, layout, rank,
    mode="attach")`, no populate (the agent's pages are all there), then `pin()` (the whole
-   region, row-aligned pieces of at most 64 GiB).
+   region, row-aligned pieces of at most 64 GiB, in every rank). At TP > 1 also a second run
+   registering only the rank's cells (kvshm's CudaRegistration over layout.rank_ranges(rank),
+   one piece per row, as vLLM registers its slots): what a rank-aware pin would cost.
 
 The agent's region is made beforehand by a separate process with kvshm's `SharedOffloadRegion`
 (create, populate, lock: what the agent's hosting does), format vllm-0.33 (the files vLLM 0.33
@@ -39,7 +41,7 @@ plumbing) from .vllm-src/ (scripts/extract-vllm-bench-src.sh) or an installed vL
 
     PYTHONPATH=agent:operator python3 bench/attach/run.py [--gib 16 64] [--tp 1 4]
         [--directory /dev/shm] [--repeat 1] [--vllm-src .vllm-src] [--json out.json]
-    python bench/attach/run.py --quick     # CPU box: 2 GiB, no CUDA registration
+    python bench/attach/run.py --quick     # 2 GiB; on a CPU box without registration
 """
 
 from __future__ import annotations
@@ -107,7 +109,10 @@ def register_in_background(pin: Callable[[], bool]) -> dict[str, Any]:
 
     def run() -> None:
         outcome["reg_start"] = time.monotonic()
-        outcome["pinned"] = bool(pin())
+        try:
+            outcome["pinned"] = bool(pin())
+        except Exception as exc:  # reported by the parent, with the rank
+            outcome["pinned"], outcome["reg_error"] = False, repr(exc)
         outcome["reg_end"] = time.monotonic()
 
     thread = threading.Thread(target=run, name="register")
@@ -173,7 +178,9 @@ def kvshm_rank(
     geometry: Geometry,
     directory: str,
     register: bool,
+    cells_only: bool,
 ) -> None:
+    from kvshm.region import memory
     from kvshm.region.pinning import CudaRegistration, cuda_runtime
 
     def warm_up(address: int, length: int) -> None:
@@ -192,9 +199,23 @@ def kvshm_rank(
     ready = time.monotonic()
     assert region.populate_method is None, "attaching the agent's region should not populate"
     result = {"rank": rank, "start": started, "ready": ready}
+    cells: list[CudaRegistration] = []
+
+    def pin_cells() -> bool:
+        """This rank's cells only, one registration per row, as vLLM registers its slots."""
+        cudart, reason = cuda_runtime()
+        assert cudart is not None, reason
+        pieces = region.layout.rank_ranges(rank, memory.PAGE_SIZE)
+        registration = CudaRegistration(cudart, region.address, pieces)
+        registration.register()
+        cells.append(registration)
+        return True
+
     if register:
-        result |= register_in_background(region.pin)
+        result |= register_in_background(pin_cells if cells_only else region.pin)
     results.put(result)
+    for registration in cells:
+        registration.unregister()
     region.cleanup()
 
 
@@ -217,9 +238,11 @@ class PathTimes:
         open_ready = max(rank["ready"] for rank in ranks) - start
         if "reg_start" not in ranks[0]:
             return cls(open_ready, None, None, None, None)
-        unpinned = [rank["rank"] for rank in ranks if not rank["pinned"]]
+        unpinned = [
+            (rank["rank"], rank.get("reg_error", "")) for rank in ranks if not rank["pinned"]
+        ]
         if unpinned:
-            raise SystemExit(f"registration failed on ranks {unpinned}: see the warnings above")
+            raise SystemExit(f"registration failed (rank, error): {unpinned}; see warnings above")
         durations = [rank["reg_end"] - rank["reg_start"] for rank in ranks]
         return cls(
             open_ready,
@@ -235,11 +258,12 @@ class PathTimes:
         return None if self.register is None else self.open_ready
 
 
-PATHS = ("vllm_creator", "vllm_joiner", "kvshm_attach")
+PATHS = ("vllm_creator", "vllm_joiner", "kvshm_attach", "kvshm_cells")
 LABELS = {
     "vllm_creator": "vLLM 0.33 creator (its own region)",
     "vllm_joiner": "vLLM 0.33 joiner of the agent's region",
     "kvshm_attach": "kvshm attach of the agent's region",
+    "kvshm_cells": "  the same, its cells registered (*)",
 }
 
 
@@ -258,8 +282,12 @@ def run_once(
     agent = AgentRegion(agent_id, geometry, directory)
     try:
         times["kvshm_attach"] = PathTimes.of(
-            run_ranks(kvshm_rank, tp, agent_id, geometry, directory, register)
+            run_ranks(kvshm_rank, tp, agent_id, geometry, directory, register, False)
         )
+        if tp > 1 and register:
+            times["kvshm_cells"] = PathTimes.of(
+                run_ranks(kvshm_rank, tp, agent_id, geometry, directory, register, True)
+            )
         joiner = run_ranks(vllm_rank, tp, vllm_root, agent_id, geometry, directory, register)
         if not all(rank["joined"] for rank in joiner):
             raise SystemExit("vLLM did not join the agent's region (did it see the directory?)")
@@ -306,13 +334,19 @@ def print_table(gib: float, tp: int, times: dict[str, PathTimes], agent: dict[st
         f"{'bg reg':>10}{'xfer-ready':>11}{'stall ms':>10}"
     )
     print(header)
-    for path in PATHS:
+    for path in (path for path in PATHS if path in times):
         t = times[path]
         stall = f"{'-':>10}" if t.stall is None else f"{t.stall * 1e3:>10.1f}"
         print(
             f"  {LABELS[path]:<40}{seconds(t.open_ready, 12)}{seconds(t.register)}"
             f"{seconds(t.blocking_inline)}{seconds(t.blocking_background)}"
             f"{seconds(t.transfer_ready, 11)}{stall}"
+        )
+    if "kvshm_cells" in times:
+        print(
+            "  (*) not kvshm's pin() today, which registers the whole region in every rank: "
+            "CudaRegistration over layout.rank_ranges(rank), each row's cell of this rank, "
+            "as vLLM registers its slots"
         )
     kvshm = times["kvshm_attach"]
     for path in ("vllm_creator", "vllm_joiner"):
@@ -339,7 +373,9 @@ def main() -> None:
     add_region_options(parser)
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument(
-        "--quick", action="store_true", help="CPU check: 2 GiB, TP 1 and 4, no registration"
+        "--quick",
+        action="store_true",
+        help="small check: 2 GiB, TP 1 and 4 (runs without CUDA, then without registration)",
     )
     args = parser.parse_args()
     import torch
@@ -363,7 +399,7 @@ def main() -> None:
             runs = [
                 run_once(gib, tp, args.directory, vllm_root, register) for _ in range(args.repeat)
             ]
-            times = {path: median_times([run[path] for run, _ in runs]) for path in PATHS}
+            times = {path: median_times([run[path] for run, _ in runs]) for path in runs[0][0]}
             print_table(gib, tp, times, runs[-1][1])
             report.append(
                 {
