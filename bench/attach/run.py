@@ -1,119 +1,417 @@
-"""Attach + pin of a region the agent already populated vs create + populate + pin from scratch.
+"""Engine start-up: how long a serving engine waits on its CPU offload region, vLLM 0.33's own
+way vs attaching the region the kvshm agent made beforehand.
 
-Run on a GPU machine (pinning is cudaHostRegister). The "agent" is a separate process that
-creates, populates and locks the region, as the kvshm agent does; the serving process then
-attaches and pins. From scratch, the serving process creates, populates and pins it itself:
-once with kvshm's parallel populate, once with a vLLM-style single-threaded per-row loop.
+Each (size, TP) runs TP rank processes as vLLM runs its tensor-parallel workers, three ways:
 
-    python bench/attach/run.py --gib 16 [--directory /dev/shm] [--repeat 2]
+1. vLLM 0.33 creator: no region exists. Each rank calls vLLM's own `SharedOffloadRegion(
+   engine_id, num_chunks, rank, kv_bytes_per_chunk, cpu_page_size, barrier, num_segments=32)`
+   exactly as `CPUOffloadingSpec.create_worker` does (barrier: a multiprocessing.Barrier across
+   the ranks): one creates the 32 files, all map them, the creator unlinks them at the barrier,
+   and each populates its own cells row by row, starting on different files. Then each
+   registers the region with CUDA with vLLM's own `pin_mmap_region(region,
+   worker_slot_only=True)`, as `CPUOffloadingWorker` does (for these layouts: each row's cell
+   of this rank, one cudaHostRegister each).
+2. vLLM 0.33 joiner of the agent's region: the same calls while the agent's files exist, so vLLM
+   joins them (the production path with the agent and an unmodified vLLM): no create, no unlink,
+   but each rank still runs its populate loop over its cells.
+3. kvshm attach of the agent's region: kvshm's `SharedOffloadRegion(id, layout, rank,
+   mode="attach")`, no populate (the agent's pages are all there), then `pin()` (the whole
+   region, row-aligned pieces of at most 64 GiB, in every rank). At TP > 1 also a second run
+   registering only the rank's cells (kvshm's CudaRegistration over layout.rank_ranges(rank),
+   one piece per row, as vLLM registers its slots): what a rank-aware pin would cost.
+
+The agent's region is made beforehand by a separate process with kvshm's `SharedOffloadRegion`
+(create, populate, lock: what the agent's hosting does), format vllm-0.33 (the files vLLM 0.33
+names and maps), and removed before the creator runs: at most one region exists at a time.
+
+Timed per rank from a common start (after imports and CUDA context creation; CLOCK_MONOTONIC is
+one clock for all processes), reported as the slowest rank:
+- open -> ready: the constructor returned (mapped, populated): what the engine waits for if it
+  registers in the background.
+- register: the registration call alone (run in a background thread while the main thread
+  ticks every 1 ms: `stall` is the longest tick, i.e. whether registration blocks the engine's
+  other start-up work). The first transfer may start only after it (`transfer-ready`).
+- blocking, inline: open -> ready + register, what vLLM 0.33 blocks for (it registers inline
+  in CPUOffloadingWorker.__init__).
+The goal (issue 13): vLLM's creator inline >= 8x kvshm attach with background registration at
+TP 4. TP 4 here is four processes on one GPU (a real engine has one GPU per rank).
+
+vLLM's code is loaded by bench/vllm_modules.py (its docstring says what is vLLM's and what is
+plumbing) from .vllm-src/ (scripts/extract-vllm-bench-src.sh) or an installed vLLM 0.33.
+
+    PYTHONPATH=agent:operator python3 bench/attach/run.py [--gib 16 64] [--tp 1 4]
+        [--directory /dev/shm] [--repeat 1] [--vllm-src .vllm-src] [--json out.json]
+    python bench/attach/run.py --quick     # 2 GiB; on a CPU box without registration
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
+import json
 import os
 import statistics
-import tempfile
+import sys
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from multiprocessing.synchronize import Barrier
+from pathlib import Path
 from typing import Any
 
-from kvshm.region import RegionLayout, SharedOffloadRegion, memory
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
 
-CPU_PAGE = 256 * 1024
-WORKERS = 4
+from bench import vllm_modules  # noqa: E402
+from bench.region_common import (  # noqa: E402
+    AgentRegion,
+    Geometry,
+    add_region_options,
+    open_vllm_region,
+    run_ranks,
+    show_as_dev_shm,
+    vllm_source,
+)
+
+from kvshm.region import SharedOffloadRegion  # noqa: E402
+
+TICK_S = 0.001
+WARM_UP_BYTES = 2 * 1024 * 1024
 
 
-def geometry(gib: float) -> tuple[int, int]:
-    blocks = int(gib * 1024**3) // (CPU_PAGE * WORKERS)
-    return blocks, blocks * CPU_PAGE * WORKERS
+# -- in each rank process ------------------------------------------------------------------
 
 
-def open_region(directory: str, gib: float, **kwargs: Any) -> SharedOffloadRegion:
-    blocks, _ = geometry(gib)
-    layout = RegionLayout(blocks, CPU_PAGE, WORKERS)
-    return SharedOffloadRegion("attach-bench", layout, directory=directory, **kwargs)
+def prepare_cuda(register: bool, warm_up: Callable[[int, int], None]) -> None:
+    """Create this process's CUDA context and register/unregister a small buffer once, so
+    neither the context nor the driver's first registration is timed: in an engine both
+    happened long before its offload worker is built."""
+    if not register:
+        return
+    import ctypes
+    import mmap
+
+    import torch
+
+    torch.cuda.set_device(0)
+    torch.zeros(1, device="cuda")
+    buffer = mmap.mmap(-1, WARM_UP_BYTES)
+    anchor = ctypes.c_char.from_buffer(buffer)
+    warm_up(ctypes.addressof(anchor), WARM_UP_BYTES)
+    del anchor
+    buffer.close()
 
 
-def agent(directory: str, gib: float, ready: Any, done: Any) -> None:
-    region = open_region(directory, gib, mode="create")
-    region.lock()
-    ready.set()
-    done.wait()
+def register_in_background(pin: Callable[[], bool]) -> dict[str, Any]:
+    """Run pin() in a thread while this thread ticks every TICK_S, as an engine going on with
+    its start-up would; return when it started and ended and the longest tick."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        outcome["reg_start"] = time.monotonic()
+        try:
+            outcome["pinned"] = bool(pin())
+        except Exception as exc:  # reported by the parent, with the rank
+            outcome["pinned"], outcome["reg_error"] = False, repr(exc)
+        outcome["reg_end"] = time.monotonic()
+
+    thread = threading.Thread(target=run, name="register")
+    thread.start()
+    stall = 0.0
+    while thread.is_alive():
+        tick = time.monotonic()
+        time.sleep(TICK_S)
+        stall = max(stall, time.monotonic() - tick)
+    thread.join()
+    outcome["stall"] = stall
+    return outcome
+
+
+def vllm_rank(
+    rank: int,
+    start: Barrier,
+    barrier: Barrier,
+    results: Any,
+    vllm_root: str | None,
+    engine_id: str,
+    geometry: Geometry,
+    directory: str,
+    register: bool,
+) -> None:
+    show_as_dev_shm(directory)
+    vllm = vllm_modules.load(Path(vllm_root) if vllm_root else None)
+    host_register = vllm.host_register
+
+    def warm_up(address: int, length: int) -> None:
+        assert host_register.host_register(address, length), "vLLM's host_register failed"
+        host_register.host_unregister(address)
+
+    prepare_cuda(register, warm_up)
+    start.wait()
+    started = time.monotonic()
+    region = open_vllm_region(vllm, engine_id, geometry, rank, barrier)
+    ready = time.monotonic()
+    result = {"rank": rank, "start": started, "ready": ready, "joined": maps_named_file(region)}
+    if register:
+        result |= register_in_background(
+            lambda: vllm.pin_mmap_region(region, worker_slot_only=True) or region.is_pinned
+        )
+    results.put(result)
     region.cleanup()
 
 
-def per_row_loop(region: SharedOffloadRegion) -> None:
-    stride = region.layout.row_stride
-    for block in range(region.layout.num_blocks):
-        memory.madvise(region.address + block * stride, stride, memory.MADV_POPULATE_WRITE)
+def maps_named_file(region: Any) -> bool:
+    """Whether vLLM's region maps the file its name still names: true for a joiner of the
+    agent's region, false for vLLM's own (its creator unlinks the files at the barrier)."""
+    try:
+        return os.stat(region.mmap_path).st_ino == os.fstat(region.fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
-def scratch(directory: str, gib: float, populate: Callable[[SharedOffloadRegion], None]) -> float:
-    started = time.perf_counter()
-    region = open_region(directory, gib, mode="create", populate=False)
-    populate(region)
-    assert region.pin(), "pinning failed: is CUDA visible?"
-    seconds = time.perf_counter() - started
+def kvshm_rank(
+    rank: int,
+    start: Barrier,
+    barrier: Barrier,
+    results: Any,
+    instance_id: str,
+    geometry: Geometry,
+    directory: str,
+    register: bool,
+    cells_only: bool,
+) -> None:
+    from kvshm.region import memory
+    from kvshm.region.pinning import CudaRegistration, cuda_runtime
+
+    def warm_up(address: int, length: int) -> None:
+        cudart, reason = cuda_runtime()
+        assert cudart is not None, reason
+        registration = CudaRegistration(cudart, address, [(0, length)])
+        registration.register()
+        registration.unregister()
+
+    prepare_cuda(register, warm_up)
+    start.wait()
+    started = time.monotonic()
+    region = SharedOffloadRegion(
+        instance_id, geometry.kvshm_layout(), rank, directory=directory, mode="attach"
+    )
+    ready = time.monotonic()
+    assert region.populate_method is None, "attaching the agent's region should not populate"
+    result = {"rank": rank, "start": started, "ready": ready}
+    cells: list[CudaRegistration] = []
+
+    def pin_cells() -> bool:
+        """This rank's cells only, one registration per row, as vLLM registers its slots."""
+        cudart, reason = cuda_runtime()
+        assert cudart is not None, reason
+        pieces = region.layout.rank_ranges(rank, memory.PAGE_SIZE)
+        registration = CudaRegistration(cudart, region.address, pieces)
+        registration.register()
+        cells.append(registration)
+        return True
+
+    if register:
+        result |= register_in_background(pin_cells if cells_only else region.pin)
+    results.put(result)
+    for registration in cells:
+        registration.unregister()
     region.cleanup()
-    return seconds
 
 
-def attach_and_pin(directory: str, gib: float) -> tuple[float, float]:
-    ctx = multiprocessing.get_context("spawn")
-    ready, done = ctx.Event(), ctx.Event()
-    process = ctx.Process(target=agent, args=(directory, gib, ready, done))
-    process.start()
-    ready.wait()
-    started = time.perf_counter()
-    region = open_region(directory, gib, mode="attach")
-    attached = time.perf_counter()
-    assert region.populate_method is None, "the agent's region should need no populate"
-    assert region.pin(), "pinning failed: is CUDA visible?"
-    seconds = time.perf_counter() - started
-    region.cleanup()
-    done.set()
-    process.join()
-    return seconds, attached - started
+# -- in the parent -------------------------------------------------------------------------
+
+
+@dataclass
+class PathTimes:
+    """One way of opening the region, its slowest rank, in seconds from the common start."""
+
+    open_ready: float
+    register: float | None
+    blocking_inline: float | None
+    transfer_ready: float | None
+    stall: float | None
+
+    @classmethod
+    def of(cls, ranks: list[dict[str, Any]]) -> PathTimes:
+        start = min(rank["start"] for rank in ranks)
+        open_ready = max(rank["ready"] for rank in ranks) - start
+        if "reg_start" not in ranks[0]:
+            return cls(open_ready, None, None, None, None)
+        unpinned = [
+            (rank["rank"], rank.get("reg_error", "")) for rank in ranks if not rank["pinned"]
+        ]
+        if unpinned:
+            raise SystemExit(f"registration failed (rank, error): {unpinned}; see warnings above")
+        durations = [rank["reg_end"] - rank["reg_start"] for rank in ranks]
+        return cls(
+            open_ready,
+            max(durations),
+            max(rank["ready"] + d for rank, d in zip(ranks, durations, strict=True)) - start,
+            max(rank["reg_end"] for rank in ranks) - start,
+            max(rank["stall"] for rank in ranks),
+        )
+
+    @property
+    def blocking_background(self) -> float | None:
+        """Blocking time with registration in a background thread (None: not registered)."""
+        return None if self.register is None else self.open_ready
+
+
+PATHS = ("vllm_creator", "vllm_joiner", "kvshm_attach", "kvshm_cells")
+LABELS = {
+    "vllm_creator": "vLLM 0.33 creator (its own region)",
+    "vllm_joiner": "vLLM 0.33 joiner of the agent's region",
+    "kvshm_attach": "kvshm attach of the agent's region",
+    "kvshm_cells": "  the same, its cells registered (*)",
+}
+
+
+def files_present(directory: str, geometry: Geometry, instance_id: str) -> list[str]:
+    names = [file.name for file in geometry.kvshm_layout().files(instance_id)]
+    return [name for name in names if os.path.exists(os.path.join(directory, name))]
+
+
+def run_once(
+    gib: float, tp: int, directory: str, vllm_root: str | None, register: bool
+) -> tuple[dict[str, PathTimes], dict[str, Any]]:
+    geometry = Geometry.for_size(gib, tp)
+    agent_id = f"kvshm-bench-agent-{os.getpid()}-{tp}"
+    own_id = f"kvshm-bench-vllm-{os.getpid()}-{tp}"
+    times: dict[str, PathTimes] = {}
+    agent = AgentRegion(agent_id, geometry, directory)
+    try:
+        times["kvshm_attach"] = PathTimes.of(
+            run_ranks(kvshm_rank, tp, agent_id, geometry, directory, register, False)
+        )
+        if tp > 1 and register:
+            times["kvshm_cells"] = PathTimes.of(
+                run_ranks(kvshm_rank, tp, agent_id, geometry, directory, register, True)
+            )
+        joiner = run_ranks(vllm_rank, tp, vllm_root, agent_id, geometry, directory, register)
+        if not all(rank["joined"] for rank in joiner):
+            raise SystemExit("vLLM did not join the agent's region (did it see the directory?)")
+        times["vllm_joiner"] = PathTimes.of(joiner)
+        kept = files_present(directory, geometry, agent_id)
+        if len(kept) != geometry.kvshm_layout().file_count:
+            raise SystemExit(f"vLLM's joiner removed agent files: only {kept} are left")
+    finally:
+        agent.close()  # the agent's region is gone before vLLM makes its own
+    creator = run_ranks(vllm_rank, tp, vllm_root, own_id, geometry, directory, register)
+    if any(rank["joined"] for rank in creator):
+        raise SystemExit("vLLM's creator did not unlink its files at the barrier")
+    times["vllm_creator"] = PathTimes.of(creator)
+    left = files_present(directory, geometry, own_id)
+    if left:
+        raise SystemExit(f"vLLM's creator left {left} behind")
+    return times, agent.report
+
+
+def median_times(runs: list[PathTimes]) -> PathTimes:
+    def median(values: list[float | None]) -> float | None:
+        present = [value for value in values if value is not None]
+        return statistics.median(present) if present else None
+
+    fields = [list(column) for column in zip(*(asdict(run).values() for run in runs), strict=True)]
+    open_ready = median(fields[0])
+    assert open_ready is not None
+    return PathTimes(open_ready, *(median(column) for column in fields[1:]))
+
+
+def seconds(value: float | None, width: int = 10) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.4f}"
+
+
+def print_table(gib: float, tp: int, times: dict[str, PathTimes], agent: dict[str, Any]) -> None:
+    geometry = Geometry.for_size(gib, tp)
+    print(f"\n{geometry.describe()}")
+    print(
+        f"  agent's region made beforehand: populate {agent['populate_s']:.3f} s "
+        f"({geometry.size_bytes / agent['populate_s'] / 1e9:.2f} GB/s), {agent['locked']}"
+    )
+    header = (
+        f"  {'path':<40}{'open->ready':>12}{'register':>10}{'inline':>10}"
+        f"{'bg reg':>10}{'xfer-ready':>11}{'stall ms':>10}"
+    )
+    print(header)
+    for path in (path for path in PATHS if path in times):
+        t = times[path]
+        stall = f"{'-':>10}" if t.stall is None else f"{t.stall * 1e3:>10.1f}"
+        print(
+            f"  {LABELS[path]:<40}{seconds(t.open_ready, 12)}{seconds(t.register)}"
+            f"{seconds(t.blocking_inline)}{seconds(t.blocking_background)}"
+            f"{seconds(t.transfer_ready, 11)}{stall}"
+        )
+    if "kvshm_cells" in times:
+        print(
+            "  (*) not kvshm's pin() today, which registers the whole region in every rank: "
+            "CudaRegistration over layout.rank_ranges(rank), each row's cell of this rank, "
+            "as vLLM registers its slots"
+        )
+    kvshm = times["kvshm_attach"]
+    for path in ("vllm_creator", "vllm_joiner"):
+        other = times[path]
+        if other.blocking_inline is not None and kvshm.blocking_background is not None:
+            goal = "  (goal >= 8x at TP 4)" if path == "vllm_creator" else ""
+            print(
+                f"  {LABELS[path]} inline / kvshm attach, registration in background: "
+                f"{other.blocking_inline / kvshm.blocking_background:.1f}x{goal}"
+            )
+        print(
+            f"  {LABELS[path]} / kvshm attach, open->ready only: "
+            f"{other.open_ready / kvshm.open_ready:.1f}x"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--gib", type=float, default=16.0)
-    parser.add_argument("--directory", default="/dev/shm")
-    parser.add_argument("--repeat", type=int, default=2)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--gib", type=float, nargs="+", help="region sizes (default 16 64)")
+    parser.add_argument("--tp", type=int, nargs="+", help="tensor-parallel sizes (default 1 4)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per case; medians shown")
+    add_region_options(parser)
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small check: 2 GiB, TP 1 and 4 (runs without CUDA, then without registration)",
+    )
     args = parser.parse_args()
     import torch
 
-    torch.cuda.init()  # CUDA context creation is not part of either path
-    directory = tempfile.mkdtemp(prefix="kvshm-bench-", dir=args.directory)
-    rows = []
-    attach = [attach_and_pin(directory, args.gib) for _ in range(args.repeat)]
-    attach_s = statistics.median(s for s, _ in attach)
-    attach_only_s = statistics.median(a for _, a in attach)
-    par_s = statistics.median(
-        scratch(directory, args.gib, lambda r: r.populate()) for _ in range(args.repeat)
-    )
-    loop_s = statistics.median(
-        scratch(directory, args.gib, per_row_loop) for _ in range(args.repeat)
-    )
-    rows = [
-        ("attach + pin (agent populated)", attach_s),
-        ("  of which attach", attach_only_s),
-        ("scratch: parallel populate + pin", par_s),
-        ("scratch: per-row loop + pin", loop_s),
-    ]
-    print(
-        f"{args.gib} GiB region, {WORKERS} workers x {CPU_PAGE} B cells, "
-        f"{len(os.sched_getaffinity(0))} cores, {torch.cuda.get_device_name()}, "
-        f"median of {args.repeat}"
-    )
-    for label, seconds in rows:
-        print(f"{label:<36}{seconds:>9.3f} s")
-    print(f"speed-up vs scratch with parallel populate: {par_s / attach_s:.1f}x")
-    print(f"speed-up vs scratch with per-row loop:      {loop_s / attach_s:.1f}x")
-    os.rmdir(directory)
+    register = torch.cuda.is_available()
+    if not register and not args.quick:
+        raise SystemExit("no CUDA device: registration is part of this benchmark; use --quick")
+    sizes = args.gib or ([2.0] if args.quick else [16.0, 64.0])
+    tps = args.tp or [1, 4]
+    vllm_root, description = vllm_source(args)
+    device = torch.cuda.get_device_name() if register else "no CUDA"
+    print(f"{description}; {device}; median of {args.repeat}")
+    if not register:
+        print(
+            "NOTE: no CUDA device, so no registration: 'register', 'inline' and 'xfer-ready' "
+            "are not measured and the ratios compare open->ready only"
+        )
+    report: list[dict[str, Any]] = []
+    for gib in sizes:
+        for tp in tps:
+            runs = [
+                run_once(gib, tp, args.directory, vllm_root, register) for _ in range(args.repeat)
+            ]
+            times = {path: median_times([run[path] for run, _ in runs]) for path in runs[0][0]}
+            print_table(gib, tp, times, runs[-1][1])
+            report.append(
+                {
+                    "gib": gib,
+                    "tp": tp,
+                    "geometry": asdict(Geometry.for_size(gib, tp)),
+                    "agent": runs[-1][1],
+                    **{path: asdict(value) for path, value in times.items()},
+                }
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Extract the few vLLM 0.33 source files the region benchmarks run (bench/vllm_modules.py lists
+# them and says which are vLLM's and which is plumbing) from vLLM's wheel into .vllm-src/
+# (git-ignored), small enough to carry to a GPU machine that has no vLLM installed.
+#
+#   scripts/extract-vllm-bench-src.sh [path/to/vllm-0.33.0-*.whl] [destination]
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+wheel="${1:-$(ls /work/vllm-0.33/vllm-0.33.0-*.whl 2>/dev/null | head -n1)}"
+destination="${2:-$repo/.vllm-src}"
+if [[ -z "$wheel" || ! -f "$wheel" ]]; then
+    echo "no vLLM 0.33 wheel: pass its path (pip download vllm==0.33.0 --no-deps)" >&2
+    exit 2
+fi
+rm -rf "$destination"
+python3 "$repo/bench/vllm_modules.py" extract "$wheel" "$destination"
+du -sh "$destination"
