@@ -51,3 +51,49 @@ def test_pin_mmap_region_is_idempotent_and_cleanup_unregisters(shm_dir: Path) ->
     again = SharedOffloadRegion("gpu2", LAYOUT, directory=str(shm_dir))
     assert pin_mmap_region(again)
     again.cleanup()
+
+
+def test_segmented_region_pins_across_files_and_dma_lands_in_each_file(shm_dir: Path) -> None:
+    # vLLM 0.33's format at 2.5 GiB: two files mapped back to back. Registration pieces of
+    # 1 GiB straddle the boundary between the files, and DMA through every piece must land in
+    # the file that the layout says holds that row.
+    page = 160 * 1024  # 4 workers x 160 KiB = 640 KiB rows, already a multiple of 4096
+    layout = RegionLayout(4096, page, WORKERS)
+    files = layout.files("seg")
+    assert len(files) == 2 and layout.size_bytes == 2560 * 1024**2
+    with SharedOffloadRegion("seg", layout, directory=str(shm_dir), populate=False) as region:
+        assert region.pin(max_chunk_bytes=1024**3)
+        worker = SharedOffloadRegion("seg", layout, 1, directory=str(shm_dir), populate=False)
+        view = worker.create_next_view(page)
+        # the first and last rows of each file, and the rows on either side of a piece's end
+        rows_per_piece = 1024**3 // layout.row_stride
+        rows = sorted(
+            {
+                r
+                for f in files
+                for r in (
+                    f.offset // layout.row_stride,
+                    (f.offset + f.length) // layout.row_stride - 1,
+                )
+            }
+            | {rows_per_piece - 1, rows_per_piece}
+        )
+        source = torch.randint(-128, 128, (len(rows), page), dtype=torch.int8, device="cuda")
+        for i, row in enumerate(rows):
+            view[row].copy_(source[i], non_blocking=True)  # device -> registered host
+        torch.cuda.synchronize()
+        for i, row in enumerate(rows):
+            offset = row * layout.row_stride + layout.cell_offset(0, 1)
+            holder = next(f for f in files if f.offset <= offset < f.offset + f.length)
+            with open(shm_dir / holder.name, "rb") as fh:
+                fh.seek(offset - holder.offset)
+                written = fh.read(page)
+            assert written == source[i].cpu().numpy().tobytes(), f"row {row} not in {holder.name}"
+        back = torch.empty_like(source)
+        for i, row in enumerate(rows):
+            back[i].copy_(view[row], non_blocking=True)  # registered host -> device
+        torch.cuda.synchronize()
+        assert torch.equal(back, source)
+        del view
+        worker.cleanup()
+    assert not any((shm_dir / f.name).exists() for f in files)
