@@ -204,6 +204,11 @@ class SingleDirectionOffloadingHandler:
             if job is not None:
                 job.ticket.synchronize()
 
+    def wait_all(self) -> None:
+        """Block until every job in flight is done; their results stay for get_finished."""
+        for job in list(self._jobs):
+            job.ticket.synchronize()
+
     def shutdown(self) -> None:
         """Wait for every job and release streams, events and threads. Idempotent."""
         if self._closed:
