@@ -26,8 +26,13 @@ TINY_LLAMA = {
     "rms_norm_eps": 1e-5,
     "torch_dtype": "bfloat16",
 }
-TINY_LAYERS = TINY_LLAMA["num_hidden_layers"]
+TINY_LAYERS = 4
 TINY_PAGE = 2 * 16 * 2 * 64 * 2
+# the engine the tests configure: 2 blocks per chunk, 48 chunks of 64 KiB, 40 GPU blocks
+BLOCKS_PER_CHUNK = 2
+CPU_PAGE = TINY_LAYERS * TINY_PAGE * BLOCKS_PER_CHUNK  # one worker's cell: 64 KiB
+NUM_CHUNKS = 48
+GPU_BLOCKS = 40
 
 
 def write_model(directory: Path) -> Path:

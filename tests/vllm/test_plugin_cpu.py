@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,39 +17,21 @@ import torch
 from kvshm.region import RegionAttachTimeout
 from kvshm.vllm.attach import RegionGeometryMismatch
 from tests.vllm.checks import assert_region_matches_gpu, finish, job_bytes
+from tests.vllm.conftest import Engine
 from tests.vllm.engine import (
+    BLOCKS_PER_CHUNK,
+    CPU_PAGE,
+    GPU_BLOCKS,
+    NUM_CHUNKS,
     TINY_LAYERS,
     TINY_PAGE,
-    kv_transfer_config,
     offloading_spec,
-    vllm_config,
-    write_model,
 )
 from tests.vllm.jobs import Job, random_job
 from tests.vllm.layouts import KvLayout, canonical_kv_caches
 from tests.vllm.regions import agent_region, is_held, region_file, vllm_views
 
-BLOCKS_PER_CHUNK = 2
-CPU_PAGE = TINY_LAYERS * TINY_PAGE * BLOCKS_PER_CHUNK  # one worker's cell: 64 KiB
-NUM_CHUNKS = 48
-GPU_BLOCKS = 40
 SHM = "/dev/shm"  # vLLM's SharedOffloadRegion only looks here
-
-
-@dataclasses.dataclass
-class Engine:
-    engine_id: str
-    config: Any
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    engine_id = f"kvshm-plugin-test-{uuid.uuid4().hex[:8]}"
-    flags = kv_transfer_config(
-        engine_id,
-        {"cpu_bytes_to_use": NUM_CHUNKS * CPU_PAGE, "blocks_per_chunk": BLOCKS_PER_CHUNK},
-    )
-    return Engine(engine_id, vllm_config(write_model(tmp_path_factory.mktemp("model")), flags))
 
 
 @pytest.fixture
