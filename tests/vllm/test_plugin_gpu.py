@@ -1,0 +1,113 @@
+"""The plugin's worker with CUDA KV tensors on the real model layouts (and a two-group model):
+stores, loads and expedited loads with random block ids and partial chunks, checked through
+vLLM 0.33's own region views; the region registered with CUDA in the background.
+
+    PYTHONPATH=agent:operator python3 -m pytest tests/vllm -m gpu
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvshm.vllm.attach import attach_region
+from kvshm.vllm.geometry import RegionGeometry
+from kvshm.vllm.worker import KvshmOffloadingWorker
+from tests.vllm.checks import assert_region_matches_gpu, finish, job_bytes
+from tests.vllm.jobs import Job, random_job
+from tests.vllm.layouts import MULTI_GROUP, REAL_LAYOUTS, KvLayout, canonical_kv_caches
+from tests.vllm.regions import agent_region, is_held, vllm_views
+
+pytestmark = pytest.mark.gpu
+
+SHM = "/dev/shm"
+CHUNKS = 24
+GPU_BLOCKS = 40
+CASES = [
+    (layout, blocks_per_chunk, 4 if "tp4" in layout.name else 1)
+    for layout in (*REAL_LAYOUTS, MULTI_GROUP)
+    for blocks_per_chunk in (1, 2)
+]
+
+
+def groups_of(layout: KvLayout, total: int) -> list[int]:
+    sizes = [total // layout.groups] * layout.groups
+    sizes[0] += total - sum(sizes)
+    return sizes
+
+
+@pytest.mark.parametrize(
+    ("layout", "blocks_per_chunk", "workers"),
+    CASES,
+    ids=[f"{c[0].name}-bpc{c[1]}" for c in CASES],
+)
+def test_cuda_stores_and_loads_match_vllms_views(
+    layout: KvLayout, blocks_per_chunk: int, workers: int
+) -> None:
+    instance_id = f"kvshm-gpu-test-{uuid.uuid4().hex[:8]}"
+    cell = layout.worker_bytes_per_block * blocks_per_chunk
+    path = agent_region(SHM, instance_id, CHUNKS, cell, workers)
+    try:
+        geometry = RegionGeometry(CHUNKS, cell * workers, cell, workers, False)
+        region = attach_region(SHM, instance_id, geometry, 0, 5.0)
+        kv = canonical_kv_caches(layout, GPU_BLOCKS, "cuda")
+        worker = KvshmOffloadingWorker(
+            kv, region, blocks_per_chunk, region_dir=SHM, instance_id=instance_id
+        )
+        assert is_held(path)
+        rng = np.random.default_rng(len(layout.name) * blocks_per_chunk)
+        starts = [1 % blocks_per_chunk] * layout.groups  # partial first chunks where bpc > 1
+        store = random_job(rng, GPU_BLOCKS, CHUNKS, blocks_per_chunk, groups_of(layout, 9), starts)
+        assert worker.submit_store(1, *store.specs())
+        result = finish(worker, {1})[1]
+        assert result.success and result.transfer_size == job_bytes(store, kv)
+        assert worker.pin is not None and worker.pin.pinned and region.is_pinned
+        assert worker.first_transfer_wait_seconds is not None
+        print(
+            f"\n{layout.name} bpc={blocks_per_chunk}: created in {worker.create_seconds:.3f}s, "
+            f"registration {worker.pin.pin_seconds:.3f}s, first transfer waited "
+            f"{worker.first_transfer_wait_seconds:.3f}s; backends {worker.handler_backends()}"
+        )
+        stored = [t.tensor[store.gpu_ids].clone() for t in kv.tensors]
+        pages = [t.page_size_bytes * blocks_per_chunk for t in kv.tensors]
+        with vllm_views(instance_id, CHUNKS, 0, cell * workers, cell, pages) as views:
+            assert_region_matches_gpu(store, kv, views, blocks_per_chunk)
+            # vLLM writes other chunks; an expedited and a regular load bring both back
+            load = random_job(
+                rng,
+                GPU_BLOCKS,
+                CHUNKS,
+                blocks_per_chunk,
+                groups_of(layout, 7),
+                starts,
+                store.cpu_ids,
+            )
+            for view in views:
+                view[load.cpu_ids] = torch.randint(
+                    -128, 128, (len(load.cpu_ids), view.shape[1]), dtype=torch.int8
+                )
+            free = sorted(set(range(GPU_BLOCKS)) - set(load.gpu_ids))
+            back = Job(
+                free[: len(store.gpu_ids)], store.cpu_ids, store.group_sizes, store.block_indices
+            )
+            src, dst = load.specs()
+            assert worker.submit_load(2, dst, src, expedited=True)
+            src, dst = back.specs()
+            assert worker.submit_load(3, dst, src)
+            results = finish(worker, {2, 3})
+            assert results[2].success and results[3].success
+            assert_region_matches_gpu(load, kv, views, blocks_per_chunk)
+        at = 0  # each group's tensors came back for that group's blocks only
+        for g, size in enumerate(back.group_sizes):
+            for ref in kv.group_data_refs[g]:
+                got = kv.tensors[ref.tensor_idx].tensor[back.gpu_ids[at : at + size]]
+                assert torch.equal(got.cpu(), stored[ref.tensor_idx][at : at + size].cpu())
+            at += size
+        worker.shutdown()
+        assert not is_held(path)
+    finally:
+        Path(path).unlink(missing_ok=True)
