@@ -170,3 +170,45 @@ def test_never_creates_a_missing_region(engine: Engine) -> None:
     with pytest.raises(RegionAttachTimeout, match="did not appear"):
         spec.get_worker(kv)
     assert not os.path.exists(region_file(SHM, engine.engine_id))
+
+
+def test_replicated_layout_every_rank_uses_the_one_copy(engine: Engine) -> None:
+    """MLA's replicated layout at TP 2: one copy per row, which rank 1 maps and loads too."""
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    from kvshm.vllm.spec import KvshmOffloadingSpec
+
+    base = spec_of(engine).config
+    config = dataclasses.replace(
+        base,
+        replicated_layout=True,
+        parallel=dataclasses.replace(base.parallel, world_size=2, tp_size=2, rank=1),
+    )
+
+    class VllmOnCuda(CPUOffloadingSpec):  # type: ignore[misc]
+        def _uses_shared_region(self) -> bool:
+            return True  # what vLLM's spec decides on a CUDA platform
+
+    spec, own = KvshmOffloadingSpec(config), VllmOnCuda(config)
+    assert spec.replicated_layout and own.replicated_layout
+    geometry = spec.region_geometry
+    assert (geometry.num_chunks, geometry.row_stride, geometry.cpu_page_size) == (
+        own.num_chunks,
+        own.kv_bytes_per_chunk,
+        own.cpu_page_size_per_worker,
+    )
+    assert geometry.copies == 1 and geometry.row_stride == CPU_PAGE
+    path = agent_region(SHM, engine.engine_id, geometry.num_chunks, CPU_PAGE, 1)
+    try:
+        kv = canonical_kv_caches(KvLayout("tiny", TINY_LAYERS, TINY_PAGE), GPU_BLOCKS, "cpu")
+        worker = spec.get_worker(kv)  # rank 1
+        job = random_job(np.random.default_rng(3), GPU_BLOCKS, geometry.num_chunks, 2, [5], [1])
+        assert worker.submit_store(1, *job.specs())
+        assert finish(worker, {1})[1].success
+        pages = [TINY_PAGE * BLOCKS_PER_CHUNK] * TINY_LAYERS
+        # vLLM's create_worker maps the replicated region as rank 0 on every worker
+        with vllm_views(engine.engine_id, geometry.num_chunks, 0, CPU_PAGE, CPU_PAGE, pages) as v:
+            assert_region_matches_gpu(job, kv, v, BLOCKS_PER_CHUNK)
+        worker.shutdown()
+    finally:
+        Path(path).unlink(missing_ok=True)
