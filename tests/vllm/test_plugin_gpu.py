@@ -111,3 +111,31 @@ def test_cuda_stores_and_loads_match_vllms_views(
         assert not is_held(path)
     finally:
         Path(path).unlink(missing_ok=True)
+
+
+def test_a_load_follows_the_writes_queued_to_its_blocks() -> None:
+    """vLLM zeroes freshly allocated blocks on the compute stream; a load into them must land
+    after that zeroing, never under it."""
+    layout = REAL_LAYOUTS[1]
+    instance_id = f"kvshm-gpu-test-{uuid.uuid4().hex[:8]}"
+    cell = layout.worker_bytes_per_block
+    path = agent_region(SHM, instance_id, CHUNKS, cell, 1)
+    try:
+        region = attach_region(SHM, instance_id, RegionGeometry(CHUNKS, cell, cell, 1, False), 0, 5)
+        kv = canonical_kv_caches(layout, GPU_BLOCKS, "cuda")
+        worker = KvshmOffloadingWorker(kv, region, 1, region_dir=SHM, instance_id=instance_id)
+        for view in worker.cpu_tensors:
+            view[3] = 77
+        job = Job([5], [3], [1], [0])
+        for expedited in (False, True):
+            torch.cuda._sleep(200_000_000)  # the compute stream is busy for a while ...
+            for t in kv.tensors:
+                t.tensor[5].zero_()  # ... then zeroes the block the load fills
+            src, dst = job.specs()
+            assert worker.submit_load(10 + expedited, dst, src, expedited=expedited)
+            assert finish(worker, {10 + expedited})[10 + expedited].success
+            for t in kv.tensors:
+                assert bool((t.tensor[5] == 77).all()), "the load ran before the zeroing"
+        worker.shutdown()
+    finally:
+        Path(path).unlink(missing_ok=True)

@@ -81,9 +81,10 @@ def _timeline_for(device: torch.device, options: TransferOptions) -> Timeline:
 class SingleDirectionOffloadingHandler:
     """Moves KV blocks one way (GPU->CPU or CPU->GPU) between matching tensor lists.
 
-    Jobs run in submission order, each after the previous one finished; a GPU->CPU job also
-    waits for the work queued on the caller's current stream. With CPU tensors as the "GPU"
-    tensors the handler runs on the CPU backend (for tests without a GPU).
+    Jobs run in submission order, each after the previous one finished; every job also waits
+    for the work queued on the caller's current stream at submission (as in vLLM 0.33). With
+    CPU tensors as the "GPU" tensors the handler runs on the CPU backend (for tests without a
+    GPU).
 
     backend forces one backend ("dma", "kernel" or "cpu"; default: $KVSHM_TRANSFER_BACKEND,
     else chosen per job by block size and direction).
@@ -168,8 +169,11 @@ class SingleDirectionOffloadingHandler:
         batch = self._planner.plan(spec)
         backend = self._chooser.choose(batch)
         after = None
-        if self.gpu_to_cpu and self.device.type == "cuda":
-            after = torch.cuda.current_stream(self.device)  # the compute the store must follow
+        if self.device.type == "cuda":
+            # a store must follow the compute that wrote its blocks; a load must follow writes
+            # queued to its destination blocks (vLLM 0.33 zeroes freshly allocated blocks on the
+            # compute stream, and with async scheduling nothing else orders that before the load)
+            after = torch.cuda.current_stream(self.device)
         work = partial(backend.copy, batch, after=after)
         ticket = self._timeline.launch(work, after)
         job = _Job(job_id, ticket, batch.total_bytes, backend.name)
