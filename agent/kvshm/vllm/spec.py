@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 from kvshm.vllm.attach import attach_region
 from kvshm.vllm.geometry import RegionGeometry
@@ -91,7 +90,3 @@ class KvshmOffloadingSpec(CPUOffloadingSpec):
         if worker is None:
             worker = self._worker = self.create_worker(kv_caches)
         return worker
-
-    @classmethod
-    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        return dict(super().build_metric_definitions(extra_config))

@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -183,12 +184,18 @@ class KvshmOffloadingWorker(OffloadingWorker):
             "the transfers in flight",
             time.strftime("%H:%M:%S", time.gmtime(event.deadline)),
         )
-        with self._lock:
+        with self._lock, self._on_worker_device():
             self._drain = event
             for handler in self._handlers or []:
                 handler.wait_all()
                 self._drained_results.extend(self._as_vllm(handler.get_finished()))
             self._release()
+
+    def _on_worker_device(self) -> AbstractContextManager[object]:
+        """This thread's CUDA calls on the worker's GPU: on another device the runtime would
+        create a context there, and the region's unregistration belongs to this one."""
+        device = self.gpu_tensors[0].device
+        return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
     def _release(self) -> None:
         if self._closed:
