@@ -98,6 +98,35 @@ def link(reps: int) -> dict[str, Any]:
 # -- vLLM's own worker -------------------------------------------------------------------------
 
 
+def vllm_platform_note() -> str:
+    """vLLM's worker code asks vllm.platforms.current_platform for streams and pinning. Its
+    CUDA platform module loads a compiled extension; where that cannot load here, give vLLM's
+    code the minimal CUDA platform it needs (streams from torch.cuda, pinned memory on)."""
+    import vllm.platforms as platforms
+
+    try:
+        platform = platforms.current_platform
+        if platform.is_cuda():
+            return "vLLM's own CUDA platform"
+        reason = f"vLLM resolved its platform to {type(platform).__name__}"
+    except Exception as exc:
+        reason = f"vllm.platforms.cuda did not load ({exc!r})"
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    class MinimalCuda(Platform):  # type: ignore[misc]
+        _enum = PlatformEnum.CUDA
+        device_name = "cuda"
+        device_type = "cuda"  # Stream, stream, current_stream: torch.cuda's
+        dist_backend = "nccl"
+
+        @classmethod
+        def is_pin_memory_available(cls) -> bool:
+            return True
+
+    platforms._current_platform = MinimalCuda()
+    return f"{reason}: vLLM's worker code runs on a minimal CUDA platform object"
+
+
 def vllm_dma_note() -> str:
     """Use vLLM's compiled DMA op if it loads, else re-state it: one cuMemcpyBatchAsync per
     job over all its copies, source order STREAM (ANY for loads), no hints, no flags."""
@@ -372,6 +401,7 @@ def main() -> None:
     import vllm
 
     print(f"vLLM {vllm.__version__} from {Path(vllm.__file__).parent}")
+    print(f"(b) platform: {vllm_platform_note()}")
     dma = vllm_dma_note()
     print(f"(b) DMA: {dma}")
     peak = link(args.reps)
