@@ -56,7 +56,7 @@ def kv_transfer_config(engine_id: str, extra: dict[str, Any]) -> str:
     )
 
 
-def vllm_config(model_dir: Path, kv_transfer_json: str) -> Any:
+def vllm_config(model_dir: Path, kv_transfer_json: str, *flags: str) -> Any:
     """VllmConfig from command-line flags, parsed by vLLM's own EngineArgs."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -71,13 +71,17 @@ def vllm_config(model_dir: Path, kv_transfer_json: str) -> Any:
             "16",
             "--kv-transfer-config",
             kv_transfer_json,
+            *flags,
         ]
     )
     return EngineArgs.from_cli_args(args).create_engine_config()
 
 
-def kv_cache_config(num_blocks: int) -> Any:
-    """The KVCacheConfig the engine would give the tiny model: one full-attention group."""
+def kv_cache_config(
+    num_blocks: int, layers: int = TINY_LAYERS, kv_heads: int = 2, head_size: int = 64
+) -> Any:
+    """The KVCacheConfig the engine would give a Llama-shaped model on one worker (kv_heads
+    per worker, bf16, block size 16): one full-attention group, one tensor per layer."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -85,32 +89,35 @@ def kv_cache_config(num_blocks: int) -> Any:
         KVCacheTensor,
     )
 
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    assert spec.page_size_bytes == TINY_PAGE
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(TINY_LAYERS)]
-    total = TINY_PAGE * TINY_LAYERS * num_blocks  # one backing allocation, layer-outermost
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=kv_heads, head_size=head_size, dtype=torch.bfloat16
+    )
+    page = spec.page_size_bytes
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    total = page * layers * num_blocks  # one backing allocation, layer-outermost
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
             KVCacheTensor(
                 size=total,
                 layers=[name],
-                layer_stride=TINY_PAGE * num_blocks,
-                block_stride=TINY_PAGE,
-                offset=i * TINY_PAGE * num_blocks,
+                layer_stride=page * num_blocks,
+                block_stride=page,
+                offset=i * page * num_blocks,
             )
-            for i, name in enumerate(layers)
+            for i, name in enumerate(names)
         ],
-        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
     )
 
 
-def offloading_spec(config: Any, num_gpu_blocks: int) -> Any:
+def offloading_spec(config: Any, num_gpu_blocks: int, kv_cache: Any = None) -> Any:
     """The spec vLLM's factory creates for the engine's config."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
         build_offloading_config,
     )
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    offloading = build_offloading_config(config, kv_cache_config(num_gpu_blocks))
+    kv_cache = kv_cache if kv_cache is not None else kv_cache_config(num_gpu_blocks)
+    offloading = build_offloading_config(config, kv_cache)
     return OffloadingSpecFactory.create_spec(offloading)
