@@ -14,6 +14,9 @@ and beside (b) and (c), how many times as long bf16 4096x4096 matrix products ta
 bytes move in both, so a smaller factor is less slowdown per GB moved). Also what building each
 worker blocks, the plugin's background CUDA registration, and how long its first transfer waited.
 
+Then engine start at TP 4 (rank 0) on a 64 GiB region (--start-gib): what vLLM's own worker
+blocks against the plugin's, the plugin's background registration and its first store's wait.
+
 Run on a GPU machine from the repository root, vLLM 0.33.0's wheel installed with --no-deps and
 the few pure-Python packages its worker modules import (docs/vllm-plugin.md):
     PYTHONPATH=agent:operator python3 bench/vllm/run.py [--layouts a,b] [--json FILE]
@@ -346,6 +349,41 @@ def bench_layout(layout: KvLayout, args: argparse.Namespace, compute: Compute) -
     return row
 
 
+def bench_start(gib: float) -> dict[str, Any]:
+    """Engine start at TP 4 on a region of about `gib` GiB, as rank 0: what building vLLM's own
+    worker (its region: create, populate its cells, register) blocks, against the plugin's
+    attach (registration in the background), and how long the plugin's first store waited."""
+    layout = REAL_LAYOUTS[2]  # Llama-3.1-70B TP4 rank 0
+    workers, cell = 4, layout.worker_bytes_per_block
+    chunks = int(gib * GIB // (cell * workers))
+    kv = canonical_kv_caches(layout, 64, "cuda")
+    row: dict[str, Any] = {"region_bytes": chunks * cell * workers}
+    for name, build in (("vllm", build_vllm), ("plugin", build_plugin)):
+        built = build(kv, chunks, cell, workers)
+        try:
+            row[f"{name}_blocking_s"] = built.blocking_seconds
+            if name == "plugin":
+                job = job_specs(np.arange(16), np.arange(16), 16)
+                first = time.perf_counter()
+                issue_and_wait(built.worker, job, [])
+                row["plugin_first_store_s"] = time.perf_counter() - first
+                row["plugin_first_transfer_waited_s"] = built.worker.first_transfer_wait_seconds
+                row["plugin_registration_s"] = built.worker.pin.pin_seconds
+        finally:
+            built.close()
+    row["blocking_ratio"] = row["vllm_blocking_s"] / row["plugin_blocking_s"]
+    print(
+        f"\n== start, TP 4 rank 0, region {row['region_bytes'] / GIB:.1f} GiB: vLLM's own "
+        f"worker blocked {row['vllm_blocking_s']:.2f}s; "
+        f"the plugin's {row['plugin_blocking_s']:.3f}s "
+        f"({row['blocking_ratio']:.0f}x less), registration {row['plugin_registration_s']:.2f}s "
+        f"in the background; its first store took {row['plugin_first_store_s']:.2f}s, of which "
+        f"{row['plugin_first_transfer_waited_s']:.2f}s waiting for the registration (started "
+        f"at once here: in an engine, model loading runs meanwhile)"
+    )
+    return row
+
+
 # -- output ------------------------------------------------------------------------------------
 
 
@@ -391,6 +429,9 @@ def main() -> None:
     parser.add_argument("--job-blocks", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument(
+        "--start-gib", type=float, default=64.0, help="region for the start-up figure (0: skip)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/vllm/run.py needs a CUDA device")
