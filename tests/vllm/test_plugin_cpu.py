@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -212,3 +213,40 @@ def test_replicated_layout_every_rank_uses_the_one_copy(engine: Engine) -> None:
         worker.shutdown()
     finally:
         Path(path).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"kvshm_region_dir": "relative/dir"}, "must be an absolute path"),
+        ({"kvshm_instance_id": "../escape"}, "is not allowed"),
+        ({"kvshm_attach_timeout_s": "soon"}, "must be a number of seconds"),
+        ({"kvshm_backend": "fastest"}, "must be one of auto, dma, kernel, staged, cpu"),
+        ({"kvshm_pin": "maybe"}, "kvshm_pin must be true or false"),
+    ],
+)
+def test_bad_plugin_keys_are_refused_at_start(
+    engine: Engine, extra: dict[str, Any], message: str
+) -> None:
+    from kvshm.vllm.settings import PluginConfigError, PluginSettings
+
+    with pytest.raises(PluginConfigError, match=re.escape(message)):
+        PluginSettings.from_extra_config(extra, engine.engine_id, 0, 1)
+
+
+def test_an_explicit_instance_id_gets_vllms_data_parallel_suffix(engine: Engine) -> None:
+    from kvshm.vllm.settings import PluginSettings
+
+    extra = {"kvshm_instance_id": "llama-kv"}
+    assert PluginSettings.from_extra_config(extra, "x_dp1", 1, 2).instance_id == "llama-kv_dp1"
+    assert PluginSettings.from_extra_config(extra, "x", 0, 1).instance_id == "llama-kv"
+    assert PluginSettings.from_extra_config({}, "x_dp1", 1, 2).instance_id == "x_dp1"
+
+
+def test_canonical_layout_is_refused_clearly(engine: Engine) -> None:
+    from kvshm.vllm.settings import PluginConfigError
+    from kvshm.vllm.spec import KvshmOffloadingSpec
+
+    config = dataclasses.replace(spec_of(engine).config, canonical_layout=True)
+    with pytest.raises(PluginConfigError, match="canonical_layout is not supported"):
+        KvshmOffloadingSpec(config)

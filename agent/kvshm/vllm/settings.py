@@ -8,6 +8,7 @@ from typing import Any
 
 from kvshm.region import validate_instance_id
 from kvshm.region.shared_region import DEFAULT_ATTACH_TIMEOUT_SECONDS, DEFAULT_DIRECTORY
+from kvshm.transfer.chooser import BACKEND_NAMES
 
 REGION_DIR_KEY = "kvshm_region_dir"
 INSTANCE_ID_KEY = "kvshm_instance_id"
@@ -66,6 +67,10 @@ class PluginSettings:
         if not timeout >= 0:
             raise PluginConfigError(f"{ATTACH_TIMEOUT_KEY} must be >= 0, got {timeout}")
         backend = extra.get(BACKEND_KEY)
+        if backend not in (None, "", "auto", *BACKEND_NAMES):
+            raise PluginConfigError(
+                f"{BACKEND_KEY} must be one of auto, {', '.join(BACKEND_NAMES)}; got {backend!r}"
+            )
         return cls(
             region_dir=region_dir,
             instance_id=instance_id,
