@@ -29,6 +29,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -207,6 +208,9 @@ def build_vllm(kv: Any, chunks: int, cell: int, workers: int) -> Built:
     return Built(worker, seconds, worker.shutdown, {"pinned": region.is_pinned})
 
 
+CALIBRATE: list[Any] = []  # a ChoiceCache when --calibrate asks (c) to measure its backends
+
+
 def build_plugin(kv: Any, chunks: int, cell: int, workers: int) -> Built:
     instance_id = f"kvshm-bench-plugin-{uuid.uuid4().hex[:8]}"
     path = agent_region(SHM, instance_id, chunks, cell, workers)  # the agent's work, beforehand
@@ -214,7 +218,13 @@ def build_plugin(kv: Any, chunks: int, cell: int, workers: int) -> Built:
     geometry = RegionGeometry(chunks, cell * workers, cell, workers, False)
     region = attach_region(SHM, instance_id, geometry, 0, 5.0)
     worker = KvshmOffloadingWorker(
-        kv, region, 1, region_dir=SHM, instance_id=instance_id, listen_for_drain=False
+        kv,
+        region,
+        1,
+        region_dir=SHM,
+        instance_id=instance_id,
+        listen_for_drain=False,
+        calibration=CALIBRATE[0] if CALIBRATE else None,
     )
     seconds = time.perf_counter() - started
 
@@ -337,6 +347,7 @@ def bench_layout(layout: KvLayout, args: argparse.Namespace, compute: Compute) -
                 row["plugin_registration_s"] = pin.pin_seconds if pin else None
                 row["plugin_pinned"] = bool(pin and pin.pinned)
                 row["plugin_backends"] = built.worker.handler_backends()
+                row["plugin_calibrated"] = built.worker.chosen_backends
             else:
                 row["vllm_pinned"] = built.notes["pinned"]
             row[name] = measure(built, jobs, compute, args.reps)
@@ -420,6 +431,8 @@ def print_layout(row: dict[str, Any], peak: dict[str, Any]) -> None:
         )
     if "plugin_backends" in row:
         print(f"plugin backends: {row['plugin_backends']}")
+    if row.get("plugin_calibrated"):
+        print(f"plugin backends chosen by measurement: {row['plugin_calibrated']}")
 
 
 def main() -> None:
@@ -430,6 +443,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="(c) measures its backends at its first transfer (kvshm_calibrate), fresh cache",
+    )
+    parser.add_argument(
         "--start-gib", type=float, default=64.0, help="region for the start-up figure (0: skip)"
     )
     args = parser.parse_args()
@@ -439,6 +457,10 @@ def main() -> None:
     if not layouts:
         sys.exit(f"no layout matches {args.layouts!r}: {[x.name for x in REAL_LAYOUTS]}")
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    if args.calibrate:
+        from kvshm.vllm.calibration import ChoiceCache
+
+        CALIBRATE.append(ChoiceCache(Path(tempfile.mkdtemp(prefix="kvshm-bench-choices-"))))
     import vllm
 
     print(f"vLLM {vllm.__version__} from {Path(vllm.__file__).parent}")

@@ -8,7 +8,11 @@ vLLM 0.33's own region views; the region registered with CUDA in the background.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,6 +38,27 @@ CASES = [
 ]
 
 
+@dataclass
+class Attached:
+    instance_id: str
+    path: str
+    cell: int
+    region: Any
+
+
+@contextmanager
+def attached(layout: KvLayout, blocks_per_chunk: int = 1, workers: int = 1) -> Iterator[Attached]:
+    """An agent-made region for the layout in /dev/shm, attached as rank 0; removed after."""
+    instance_id = f"kvshm-gpu-test-{uuid.uuid4().hex[:8]}"
+    cell = layout.worker_bytes_per_block * blocks_per_chunk
+    path = agent_region(SHM, instance_id, CHUNKS, cell, workers)
+    try:
+        geometry = RegionGeometry(CHUNKS, cell * workers, cell, workers, False)
+        yield Attached(instance_id, path, cell, attach_region(SHM, instance_id, geometry, 0, 5.0))
+    finally:
+        Path(path).unlink(missing_ok=True)
+
+
 def groups_of(layout: KvLayout, total: int) -> list[int]:
     sizes = [total // layout.groups] * layout.groups
     sizes[0] += total - sum(sizes)
@@ -48,12 +73,8 @@ def groups_of(layout: KvLayout, total: int) -> list[int]:
 def test_cuda_stores_and_loads_match_vllms_views(
     layout: KvLayout, blocks_per_chunk: int, workers: int
 ) -> None:
-    instance_id = f"kvshm-gpu-test-{uuid.uuid4().hex[:8]}"
-    cell = layout.worker_bytes_per_block * blocks_per_chunk
-    path = agent_region(SHM, instance_id, CHUNKS, cell, workers)
-    try:
-        geometry = RegionGeometry(CHUNKS, cell * workers, cell, workers, False)
-        region = attach_region(SHM, instance_id, geometry, 0, 5.0)
+    with attached(layout, blocks_per_chunk, workers) as a:
+        instance_id, path, cell, region = a.instance_id, a.path, a.cell, a.region
         kv = canonical_kv_caches(layout, GPU_BLOCKS, "cuda")
         worker = KvshmOffloadingWorker(
             kv, region, blocks_per_chunk, region_dir=SHM, instance_id=instance_id
@@ -109,19 +130,14 @@ def test_cuda_stores_and_loads_match_vllms_views(
             at += size
         worker.shutdown()
         assert not is_held(path)
-    finally:
-        Path(path).unlink(missing_ok=True)
 
 
 def test_a_load_follows_the_writes_queued_to_its_blocks() -> None:
     """vLLM zeroes freshly allocated blocks on the compute stream; a load into them must land
     after that zeroing, never under it."""
     layout = REAL_LAYOUTS[1]
-    instance_id = f"kvshm-gpu-test-{uuid.uuid4().hex[:8]}"
-    cell = layout.worker_bytes_per_block
-    path = agent_region(SHM, instance_id, CHUNKS, cell, 1)
-    try:
-        region = attach_region(SHM, instance_id, RegionGeometry(CHUNKS, cell, cell, 1, False), 0, 5)
+    with attached(layout) as a:
+        instance_id, region = a.instance_id, a.region
         kv = canonical_kv_caches(layout, GPU_BLOCKS, "cuda")
         worker = KvshmOffloadingWorker(kv, region, 1, region_dir=SHM, instance_id=instance_id)
         for view in worker.cpu_tensors:
@@ -137,5 +153,37 @@ def test_a_load_follows_the_writes_queued_to_its_blocks() -> None:
             for t in kv.tensors:
                 assert bool((t.tensor[5] == 77).all()), "the load ran before the zeroing"
         worker.shutdown()
-    finally:
-        Path(path).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("layout", REAL_LAYOUTS[:3], ids=[x.name for x in REAL_LAYOUTS[:3]])
+def test_calibrated_backends_move_the_right_bytes(layout: KvLayout, tmp_path: Path) -> None:
+    from kvshm.vllm.calibration import ChoiceCache
+
+    with attached(layout) as a:
+        instance_id, cell, region = a.instance_id, a.cell, a.region
+        kv = canonical_kv_caches(layout, GPU_BLOCKS, "cuda")
+        worker = KvshmOffloadingWorker(
+            kv,
+            region,
+            1,
+            region_dir=SHM,
+            instance_id=instance_id,
+            calibration=ChoiceCache(tmp_path),
+        )
+        store = random_job(np.random.default_rng(5), GPU_BLOCKS, CHUNKS, 1, [12], [0])
+        assert worker.submit_store(1, *store.specs())
+        assert finish(worker, {1})[1].success
+        print(f"\n{layout.name}: calibrated backends {worker.chosen_backends}")
+        assert set(worker.chosen_backends) == {"store", "load"}
+        assert worker.chosen_backends["store"] in worker.handler_backends()["store"]
+        pages = [t.page_size_bytes for t in kv.tensors]
+        with vllm_views(instance_id, CHUNKS, 0, cell, cell, pages) as views:
+            assert_region_matches_gpu(store, kv, views, 1)
+        free = sorted(set(range(GPU_BLOCKS)) - set(store.gpu_ids))[:12]
+        back = Job(free, store.cpu_ids, [12], [0])
+        src, dst = back.specs()
+        assert worker.submit_load(2, dst, src)
+        assert finish(worker, {2})[2].success
+        for t in kv.tensors:
+            assert torch.equal(t.tensor[back.gpu_ids], t.tensor[store.gpu_ids])
+        worker.shutdown()

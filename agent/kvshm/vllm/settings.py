@@ -15,6 +15,8 @@ INSTANCE_ID_KEY = "kvshm_instance_id"
 ATTACH_TIMEOUT_KEY = "kvshm_attach_timeout_s"
 BACKEND_KEY = "kvshm_backend"
 PIN_KEY = "kvshm_pin"
+CALIBRATE_KEY = "kvshm_calibrate"
+CACHE_DIR_KEY = "kvshm_cache_dir"
 
 
 class PluginConfigError(ValueError):
@@ -40,6 +42,10 @@ class PluginSettings:
     """Force one kvshm copy backend (dma, kernel, staged); None chooses per job."""
     pin: bool
     """Register the region with CUDA (in the background; the first transfer waits for it)."""
+    calibrate: bool = False
+    """Choose each direction's backend by measuring on this host (kvshm.vllm.calibration)."""
+    cache_dir: str | None = None
+    """Where the measured choices are kept (default ~/.cache/kvshm)."""
 
     @classmethod
     def from_extra_config(
@@ -77,4 +83,6 @@ class PluginSettings:
             attach_timeout_s=timeout,
             backend=None if backend in (None, "", "auto") else str(backend),
             pin=_flag(extra.get(PIN_KEY, True), PIN_KEY),
+            calibrate=_flag(extra.get(CALIBRATE_KEY, False), CALIBRATE_KEY),
+            cache_dir=None if extra.get(CACHE_DIR_KEY) is None else str(extra[CACHE_DIR_KEY]),
         )

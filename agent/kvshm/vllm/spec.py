@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from kvshm.vllm.attach import attach_region
+from kvshm.vllm.calibration import ChoiceCache
 from kvshm.vllm.geometry import RegionGeometry
 from kvshm.vllm.settings import PluginConfigError, PluginSettings
 from kvshm.vllm.worker import KvshmOffloadingWorker
@@ -22,6 +24,12 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 log = logging.getLogger(__name__)
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def calibration_cache(settings: PluginSettings) -> ChoiceCache | None:
+    if not settings.calibrate:
+        return None
+    return ChoiceCache(Path(settings.cache_dir)) if settings.cache_dir else ChoiceCache()
 
 
 class KvshmOffloadingSpec(CPUOffloadingSpec):
@@ -80,6 +88,9 @@ class KvshmOffloadingSpec(CPUOffloadingSpec):
                 instance_id=settings.instance_id,
                 pin=settings.pin,
                 backend=settings.backend,
+                calibration=calibration_cache(settings),
+                # with the replicated layout only rank 0 stores (vLLM's connector decides)
+                stores=not self.replicated_layout or self.config.parallel.rank == 0,
             )
         except BaseException:
             region.cleanup()

@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 from kvshm.region import SharedOffloadRegion
 from kvshm.transfer import SingleDirectionOffloadingHandler
+from kvshm.vllm.calibration import ChoiceCache, choose
 from kvshm.vllm.events import Drain, DrainListener
 from kvshm.vllm.pinning import BackgroundPin
 from vllm.v1.kv_offload.base import (
@@ -50,13 +51,22 @@ class KvshmOffloadingWorker(OffloadingWorker):
         pin: bool = True,
         backend: str | None = None,
         listen_for_drain: bool = True,
+        calibration: ChoiceCache | None = None,
+        stores: bool = True,
     ) -> None:
+        """calibration: measure (or read from that cache) each direction's backend at the first
+        transfer, unless `backend` forces one. stores: False for a rank that never stores
+        (vLLM's replicated layout, ranks other than 0), which then measures loads only."""
         started = time.perf_counter()
         self.region = region
         self.instance_id = instance_id
         self.blocks_per_chunk = blocks_per_chunk
         self._refs = kv_caches.group_data_refs
         self._backend = backend
+        self._calibration = calibration if backend is None else None
+        self._stores = stores
+        self.num_chunks = region.layout.num_blocks
+        self.chosen_backends: dict[str, str] = {}
         self.gpu_tensors = [
             t.tensor.view(torch.int8).view(-1, t.page_size_bytes) for t in kv_caches.tensors
         ]
@@ -99,19 +109,37 @@ class KvshmOffloadingWorker(OffloadingWorker):
                     self.first_transfer_wait_seconds,
                 )
 
-            def handler(gpu_to_cpu: bool) -> SingleDirectionOffloadingHandler:
-                return SingleDirectionOffloadingHandler(
+            if self._calibration is not None:
+                self.chosen_backends = choose(
+                    self._make_handler,
                     self.gpu_tensors,
-                    self.cpu_tensors,
+                    self.num_chunks,
+                    len(self._refs),
                     self.blocks_per_chunk,
-                    self._refs,
-                    gpu_to_cpu,
-                    backend=self._backend,
+                    self._calibration,
+                    measure_stores=self._stores,
                 )
+
+            def handler(gpu_to_cpu: bool) -> SingleDirectionOffloadingHandler:
+                name = "store" if gpu_to_cpu else "load"
+                backend = self.chosen_backends.get(name, self._backend)
+                return self._make_handler(gpu_to_cpu, backend, self.gpu_tensors)
 
             # store, load, and expedited load on its own stream: it must not queue behind loads
             self._handlers = [handler(True), handler(False), handler(False)]
         return self._handlers
+
+    def _make_handler(
+        self, gpu_to_cpu: bool, backend: str | None, gpu_tensors: Sequence[torch.Tensor]
+    ) -> SingleDirectionOffloadingHandler:
+        return SingleDirectionOffloadingHandler(
+            gpu_tensors,
+            self.cpu_tensors,
+            self.blocks_per_chunk,
+            self._refs,
+            gpu_to_cpu,
+            backend=backend,
+        )
 
     @property
     def pin(self) -> BackgroundPin | None:
