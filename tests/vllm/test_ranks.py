@@ -51,7 +51,9 @@ def start_rank(instance_id: str, rank: int, device: str, forever: bool = False) 
         "--device",
         device,
     ] + (["--forever"] if forever else [])
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'agent'}:{REPO}"}
+    # keep the caller's path (vLLM may come from PYTHONPATH rather than the venv)
+    path = [str(REPO / "agent"), str(REPO), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     return subprocess.Popen(
         args, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
