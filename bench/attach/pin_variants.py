@@ -63,7 +63,7 @@ def main() -> None:
         region = open_region(directory, args.gib, mode="attach")
         started = time.perf_counter()
         if prefault:
-            Populator(region.address, region._fd, threads=16).populate(
+            Populator(region.address, region.mapped_files(), threads=16).populate(
                 [(0, region.layout.size_bytes)]
             )
         mid = time.perf_counter()

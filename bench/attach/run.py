@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvshm.region import SharedOffloadRegion, memory
+from kvshm.region import RegionLayout, SharedOffloadRegion, memory
 
 CPU_PAGE = 256 * 1024
 WORKERS = 4
@@ -31,10 +31,9 @@ def geometry(gib: float) -> tuple[int, int]:
 
 
 def open_region(directory: str, gib: float, **kwargs: Any) -> SharedOffloadRegion:
-    blocks, size = geometry(gib)
-    return SharedOffloadRegion(
-        "attach-bench", size, blocks, None, WORKERS, CPU_PAGE, directory=directory, **kwargs
-    )
+    blocks, _ = geometry(gib)
+    layout = RegionLayout(blocks, CPU_PAGE, WORKERS)
+    return SharedOffloadRegion("attach-bench", layout, directory=directory, **kwargs)
 
 
 def agent(directory: str, gib: float, ready: Any, done: Any) -> None:

@@ -44,7 +44,7 @@ def main() -> None:
         except OSError as exc:
             advised = str(exc)
         started = time.perf_counter()
-        Populator(region.address, region._fd, threads=threads).populate(
+        Populator(region.address, region.mapped_files(), threads=threads).populate(
             [(0, region.layout.size_bytes)]
         )
         seconds = time.perf_counter() - started

@@ -14,7 +14,7 @@ import statistics
 import tempfile
 import time
 
-from kvshm.region import SharedOffloadRegion, memory
+from kvshm.region import RegionLayout, SharedOffloadRegion, memory
 from kvshm.region.populate import Populator, default_threads
 
 CPU_PAGE = 64 * 1024
@@ -25,11 +25,7 @@ def fresh_region(directory: str, gib: float) -> SharedOffloadRegion:
     blocks = int(gib * 1024**3) // (CPU_PAGE * WORKERS)
     return SharedOffloadRegion(
         f"bench-{os.getpid()}",
-        blocks * CPU_PAGE * WORKERS,
-        blocks,
-        None,
-        WORKERS,
-        CPU_PAGE,
+        RegionLayout(blocks, CPU_PAGE, WORKERS),
         directory=directory,
         mode="create",
         populate=False,
@@ -43,7 +39,9 @@ def per_row_loop(region: SharedOffloadRegion) -> None:
 
 
 def parallel(region: SharedOffloadRegion, threads: int) -> None:
-    Populator(region.address, region._fd, threads=threads).populate([(0, region.layout.size_bytes)])
+    Populator(region.address, region.mapped_files(), threads=threads).populate(
+        [(0, region.layout.size_bytes)]
+    )
 
 
 def timed(directory: str, gib: float, run: object, repeat: int) -> tuple[float, int]:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvshm.region import SharedOffloadRegion
+from kvshm.region import RegionLayout, SharedOffloadRegion
 from kvshm.transfer import (
     CanonicalKVCacheRef,
     CpuGpuOffloadingHandlers,
@@ -141,12 +141,10 @@ def make_setup(
     many sweeps over them (with fresh ids) as make pass_bytes."""
     rows = REGION_BYTES // (WORKERS * tensors * block)
     instance = f"bench-{uuid.uuid4().hex[:12]}"
-    args = (instance, REGION_BYTES, rows)
-    # the creator (rank None) populates the whole file; rank 0 attaches and registers it all
-    creator = SharedOffloadRegion(*args, None, WORKERS, tensors * block, directory=directory)
-    region = SharedOffloadRegion(
-        *args, 0, WORKERS, tensors * block, directory=directory, populate=False
-    )
+    layout = RegionLayout(rows, tensors * block, WORKERS)
+    # the creator (rank None) populates the whole region; rank 0 attaches and registers it all
+    creator = SharedOffloadRegion(instance, layout, directory=directory)
+    region = SharedOffloadRegion(instance, layout, 0, directory=directory, populate=False)
     if not region.pin():
         sys.exit("could not register the region with CUDA: the figures would be meaningless")
     if evenly_spaced:  # one allocation, so tensor t+1 starts a fixed distance after tensor t

@@ -6,10 +6,11 @@ import os
 from pathlib import Path
 
 from kvshm.agent.holders import HoldChecker, scan_proc
-from kvshm.region import SharedOffloadRegion
+from kvshm.region import RegionLayout, SharedOffloadRegion
 from tests.agent.builders import holding
 
 SIZE = 4 * 65536
+LAYOUT = RegionLayout(4, 65536, 1)
 
 
 def make_file(directory: Path) -> Path:
@@ -31,7 +32,7 @@ def test_a_kvshm_attacher_holds_the_file_until_it_detaches(shm_dir: Path) -> Non
     path = make_file(shm_dir)
     checker = HoldChecker()
     assert not is_held(checker, path)
-    with SharedOffloadRegion("h", SIZE, 4, None, 1, 65536, directory=str(shm_dir), mode="attach"):
+    with SharedOffloadRegion("h", LAYOUT, directory=str(shm_dir), mode="attach"):
         assert is_held(checker, path)
     assert not is_held(checker, path)
 
@@ -56,6 +57,6 @@ def test_a_mapping_without_flock_is_seen_only_by_the_proc_scan(shm_dir: Path) ->
 
 def test_the_scan_ignores_the_agents_own_mappings(shm_dir: Path) -> None:
     path = make_file(shm_dir)
-    with SharedOffloadRegion("h", SIZE, 4, None, 1, 65536, directory=str(shm_dir), mode="attach"):
+    with SharedOffloadRegion("h", LAYOUT, directory=str(shm_dir), mode="attach"):
         st = path.stat()
         assert (st.st_dev, st.st_ino) not in scan_proc()

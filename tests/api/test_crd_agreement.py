@@ -18,6 +18,7 @@ import yaml
 
 from kvshm.api import OffloadRegion, SpecError, parse_offload_region
 from kvshm.api import resources as api_resources
+from kvshm.region import RegionFormat
 from tests.api.admission import REGION_SCHEMA, admit, fresh_store, rules, schema_nodes
 from tests.kube.errors import ApiError
 
@@ -65,6 +66,8 @@ GOOD: dict[str, list[Edit]] = {
     "every field explicit": [
         setting("spec.instanceId", "engine-0.a_b"),
         setting("spec.layout.numWorkers", 8),
+        setting("spec.layout.format", "vllm-0.27"),
+        setting("spec.layout.replicated", True),
         setting(
             "spec.placement", {"nodeNames": ["gpu-1", "gpu-2.zone"], "nodeSelector": {"a/b": "c"}}
         ),
@@ -82,10 +85,28 @@ GOOD: dict[str, list[Edit]] = {
     "mode 0": [setting("spec.access.mode", 0)],
     "largest uid and gid": [setting("spec.access", {"uid": 2**31 - 1, "gid": 2**31 - 1})],
     "most workers": [setting("spec.layout.numWorkers", 1024)],
-    "largest size": [setting("spec.layout", {"numBlocks": INT64_MAX, "cpuPageSize": 1})],
-    "size just fits": [
-        setting("spec.layout", {"numBlocks": 2**61 - 1, "cpuPageSize": 2, "numWorkers": 2})
+    "largest size": [
+        setting("spec.layout", {"numBlocks": INT64_MAX, "cpuPageSize": 1, "format": "unpadded"})
     ],
+    "size just fits": [
+        setting(
+            "spec.layout",
+            {"numBlocks": 2**61 - 1, "cpuPageSize": 2, "numWorkers": 2, "format": "unpadded"},
+        )
+    ],
+    "padded size just fits": [
+        # rows of 2 x 3000 bytes are padded to 8192: 2^50 - 1 of them are 2^63 - 8192 bytes
+        setting("spec.layout", {"numBlocks": 2**50 - 1, "cpuPageSize": 3000, "numWorkers": 2})
+    ],
+    "replicated padded size just fits": [
+        setting(
+            "spec.layout",
+            {"numBlocks": 2**51 - 1, "cpuPageSize": 1, "numWorkers": 1024, "replicated": True},
+        )
+    ],
+    "format vllm-0.27": [setting("spec.layout.format", "vllm-0.27")],
+    "format unpadded": [setting("spec.layout.format", "unpadded")],
+    "replicated": [setting("spec.layout.replicated", True), setting("spec.layout.numWorkers", 4)],
     "null fields take their defaults": [
         setting("spec.populate", None),
         setting("spec.access", None),
@@ -146,6 +167,37 @@ BAD: dict[str, tuple[list[Edit], str, str]] = {
         [setting("spec.layout", {"numBlocks": 2**61, "cpuPageSize": 2, "numWorkers": 2})],
         "spec.layout",
         "fewer blocks",
+    ),
+    "padded size over int64": (
+        # one byte per row is padded to 4096: 2^51 rows are 2^63 bytes
+        [setting("spec.layout", {"numBlocks": 2**51, "cpuPageSize": 1})],
+        "spec.layout",
+        "fewer blocks",
+    ),
+    "padded row over int64": (
+        [setting("spec.layout", {"numBlocks": 1, "cpuPageSize": 2**62, "numWorkers": 2})],
+        "spec.layout",
+        "fewer blocks",
+    ),
+    "unknown format": (
+        [setting("spec.layout.format", "vllm-0.26")],
+        "spec.layout.format",
+        "format must be one of",
+    ),
+    "format not a string": (
+        [setting("spec.layout.format", 33)],
+        "spec.layout.format",
+        "spec.layout.format",
+    ),
+    "replicated unpadded": (
+        [setting("spec.layout.replicated", True), setting("spec.layout.format", "unpadded")],
+        "spec.layout",
+        "replicated layout needs format",
+    ),
+    "replicated as a string": (
+        [setting("spec.layout.replicated", "yes")],
+        "spec.layout.replicated",
+        "spec.layout.replicated",
     ),
     "layout not an object": ([setting("spec.layout", [1, 2])], "spec.layout", "spec.layout"),
     "empty instanceId": ([setting("spec.instanceId", "")], "spec.instanceId", "empty"),
@@ -261,6 +313,8 @@ def spec_of(region: OffloadRegion) -> dict[str, Any]:
             "numBlocks": region.layout.num_blocks,
             "cpuPageSize": region.layout.cpu_page_size,
             "numWorkers": region.layout.num_workers,
+            "format": region.layout.format.value,
+            "replicated": region.layout.replicated,
         },
         "populate": region.populate,
         "lock": region.lock,
@@ -364,6 +418,7 @@ def test_bounds_of_the_crd_are_the_parsers() -> None:
     assert nodes["spec.placement.nodeSelector[*]"]["maxLength"] == api_resources.MAX_LABEL_VALUE
     assert nodes["spec.placement.nodeNames[*]"]["maxLength"] == api_resources.MAX_DNS_SUBDOMAIN
     assert nodes["spec.reclaimPolicy"]["enum"] == [p.value for p in api_resources.ReclaimPolicy]
+    assert nodes["spec.layout.format"]["enum"] == [f.value for f in RegionFormat]
 
 
 def test_the_demo_region_is_accepted_by_both() -> None:

@@ -41,9 +41,12 @@ def refusal(call: Any, *args: Any) -> str:
     return raised.value.message
 
 
-def test_layout_cannot_change(store: Store) -> None:
+@pytest.mark.parametrize(
+    "change", [{"numBlocks": 32}, {"format": "unpadded"}, {"replicated": True}], ids=str
+)
+def test_layout_cannot_change(store: Store, change: dict[str, object]) -> None:
     create_region(store)
-    message = refusal(patch_region, store, {"spec": {"layout": {"numBlocks": 32}}})
+    message = refusal(patch_region, store, {"spec": {"layout": change}})
     assert "spec.layout" in message and "immutable" in message
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from prometheus_client import start_http_server
 
-from kvshm.region import SharedOffloadRegion
+from kvshm.region import RegionLayout, SharedOffloadRegion
 from kvshm.region.shared_region import OpenMode
 from kvshm.transfer import (
     CanonicalKVCacheRef,
@@ -44,14 +44,10 @@ def main() -> None:
     args = parse_args()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    size = args.num_blocks * args.cpu_page_size * args.num_workers
     region = SharedOffloadRegion(
         args.instance_id,
-        size,
-        args.num_blocks,
+        RegionLayout(args.num_blocks, args.cpu_page_size, args.num_workers),
         0,
-        args.num_workers,
-        args.cpu_page_size,
         directory=args.dir,
         mode=OpenMode.ATTACH,
     )

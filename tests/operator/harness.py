@@ -260,10 +260,10 @@ async def operator_in_loop(
 
 HOLDER = """
 import os, sys, time
-from kvshm.region import SharedOffloadRegion
+from kvshm.region import RegionLayout, SharedOffloadRegion
 directory, instance = sys.argv[1], sys.argv[2]
 os.makedirs(directory, mode=0o700, exist_ok=True)
-region = SharedOffloadRegion(instance, 16 * 65536, 16, None, 1, 65536, directory=directory,
+region = SharedOffloadRegion(instance, RegionLayout(16, 65536, 1), directory=directory,
                              mode=sys.argv[3], populate=False, unlink_on_cleanup=False)
 print("holding", flush=True)
 time.sleep(3600)

@@ -25,7 +25,7 @@ def test_demo_from_yaml_creates_populates_locks_and_attaches_every_worker(shm_di
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "256 blocks x 4 workers x 65536 B" in out
+    assert "256 rows of 4 cells of 65536 bytes (vllm-0.33: 262144-byte rows, 1 file)" in out
     assert "populated 0.06 GiB" in out and "resident 0.06 GiB" in out
     assert "locked in memory" in out
     assert out.count("wrote its own: ok") == 4

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.region import RegionSpaceError, SharedOffloadRegion
+from kvshm.region import RegionLayout, RegionSpaceError, SharedOffloadRegion
 
 MIB = 1024 * 1024
 
@@ -18,11 +18,7 @@ MIB = 1024 * 1024
 def region(directory: Path, name: str, mib: int, **kwargs: object) -> SharedOffloadRegion:
     return SharedOffloadRegion(
         name,
-        mib * MIB,
-        mib,
-        None,
-        1,
-        MIB,
+        RegionLayout(mib, MIB, 1),
         directory=str(directory),
         **kwargs,  # type: ignore[arg-type]
     )

@@ -7,21 +7,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvshm.region import SharedOffloadRegion, pin_mmap_region
+from kvshm.region import RegionLayout, SharedOffloadRegion, pin_mmap_region
 
 pytestmark = pytest.mark.gpu
 
 BLOCKS, PAGE, WORKERS = 256, 64 * 1024, 4
+LAYOUT = RegionLayout(BLOCKS, PAGE, WORKERS)
 
 
 @pytest.mark.parametrize("max_chunk_bytes", [64 * 1024**3, 3 * PAGE * WORKERS + 1])
 def test_pinned_region_round_trips_random_bytes_by_dma(shm_dir: Path, max_chunk_bytes: int) -> None:
-    size = BLOCKS * PAGE * WORKERS
-    with SharedOffloadRegion("gpu", size, BLOCKS, None, WORKERS, PAGE, directory=str(shm_dir)) as r:
+
+    with SharedOffloadRegion("gpu", LAYOUT, directory=str(shm_dir)) as r:
         assert r.pin(max_chunk_bytes=max_chunk_bytes)
         assert r.is_pinned
         workers = [
-            SharedOffloadRegion("gpu", size, BLOCKS, rank, WORKERS, PAGE, directory=str(shm_dir))
+            SharedOffloadRegion("gpu", LAYOUT, rank, directory=str(shm_dir))
             for rank in range(WORKERS)
         ]
         views = [w.create_next_view(PAGE) for w in workers]
@@ -41,12 +42,12 @@ def test_pinned_region_round_trips_random_bytes_by_dma(shm_dir: Path, max_chunk_
 
 
 def test_pin_mmap_region_is_idempotent_and_cleanup_unregisters(shm_dir: Path) -> None:
-    size = BLOCKS * PAGE * WORKERS
-    region = SharedOffloadRegion("gpu2", size, BLOCKS, None, WORKERS, PAGE, directory=str(shm_dir))
+
+    region = SharedOffloadRegion("gpu2", LAYOUT, directory=str(shm_dir))
     assert pin_mmap_region(region) and pin_mmap_region(region)
     region.cleanup()
     assert not region.is_pinned
     # registering the same addresses again in a new mapping works: nothing was left registered
-    again = SharedOffloadRegion("gpu2", size, BLOCKS, None, WORKERS, PAGE, directory=str(shm_dir))
+    again = SharedOffloadRegion("gpu2", LAYOUT, directory=str(shm_dir))
     assert pin_mmap_region(again)
     again.cleanup()

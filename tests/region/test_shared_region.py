@@ -25,20 +25,13 @@ from kvshm.region import (
 )
 
 BLOCKS, PAGE, WORKERS = 64, 12288, 4
-SIZE = BLOCKS * PAGE * WORKERS
+LAYOUT = RegionLayout(BLOCKS, PAGE, WORKERS)
+SIZE = BLOCKS * PAGE * WORKERS  # 12288-byte cells fill whole pages: no padding
 
 
 def open_region(directory: Path, rank: int | None = None, **kwargs: Any) -> SharedOffloadRegion:
     kwargs.setdefault("instance_id", "test")
-    return SharedOffloadRegion(
-        total_size_bytes=SIZE,
-        num_blocks=BLOCKS,
-        rank=rank,
-        num_workers=WORKERS,
-        cpu_page_size=PAGE,
-        directory=str(directory),
-        **kwargs,
-    )
+    return SharedOffloadRegion(layout=LAYOUT, rank=rank, directory=str(directory), **kwargs)
 
 
 def test_creator_sizes_the_file_with_vllms_name_and_private_mode(shm_dir: Path) -> None:
@@ -81,9 +74,9 @@ def test_views_need_a_rank(shm_dir: Path) -> None:
         region.create_next_view(16)
 
 
-def test_total_size_must_match_layout(shm_dir: Path) -> None:
-    with pytest.raises(InvalidLayoutError, match="total_size_bytes is 5 but"):
-        SharedOffloadRegion("x", 5, BLOCKS, None, WORKERS, PAGE, directory=str(shm_dir))
+def test_layout_must_be_a_region_layout(shm_dir: Path) -> None:
+    with pytest.raises(InvalidLayoutError, match="layout must be a RegionLayout"):
+        SharedOffloadRegion("x", SIZE, directory=str(shm_dir))  # type: ignore[arg-type]
 
 
 # -- four workers race, a fifth process checks every byte ------------------------------------
@@ -274,9 +267,7 @@ def test_populate_makes_every_page_resident(shm_dir: Path) -> None:
 
 def test_rank_populate_touches_only_that_workers_pages(shm_dir: Path) -> None:
     layout = RegionLayout(16, 1 << 16, 4)  # 64 KiB cells: page-aligned, no widening
-    with SharedOffloadRegion(
-        "pr", layout.size_bytes, 16, 2, 4, 1 << 16, directory=str(shm_dir), populate=True
-    ) as region:
+    with SharedOffloadRegion("pr", layout, 2, directory=str(shm_dir), populate=True) as region:
         assert region.resident_bytes() == layout.size_bytes // 4
         assert os.fstat(region._fd).st_blocks * 512 == layout.size_bytes // 4
 
@@ -331,3 +322,20 @@ def test_pin_without_cuda_warns_and_goes_on(
         assert pin_mmap_region(region) is False
         assert not region.is_pinned
     assert "not pinned: no CUDA device" in caplog.text
+
+
+def test_replicated_views_of_every_rank_are_the_one_shared_copy(shm_dir: Path) -> None:
+    layout = RegionLayout(8, 3000, 4, replicated=True)  # rows padded to 4096 bytes
+    with SharedOffloadRegion("rep", layout, directory=str(shm_dir)) as creator:
+        views = []
+        for rank in range(4):
+            worker = SharedOffloadRegion("rep", layout, rank, directory=str(shm_dir))
+            views.append((worker, worker.create_next_view(3000)))
+            assert views[-1][1].storage_offset() == 0 and views[-1][1].stride() == (4096, 1)
+            with pytest.raises(InvalidLayoutError, match="overflows worker"):
+                worker.create_next_view(1)
+        views[3][1][5, 2999] = 7
+        assert all(int(view[5, 2999]) == 7 for _, view in views)
+        assert creator.create_kv_memoryview()[5, 2999] == 7
+        for worker, _ in views:
+            worker.cleanup()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvshm.region import SharedOffloadRegion
+from kvshm.region import RegionFormat, RegionLayout, SharedOffloadRegion
 from kvshm.transfer import CanonicalKVCacheRef
 
 
@@ -22,11 +22,9 @@ def open_region(
 ) -> SharedOffloadRegion:
     return SharedOffloadRegion(
         instance_id or f"t-{uuid.uuid4().hex[:12]}",
-        num_blocks * cpu_page_size * num_workers,
-        num_blocks,
+        # unpadded: these tests' tiny cells keep rows of exactly the cells (no 4096-byte padding)
+        RegionLayout(num_blocks, cpu_page_size, num_workers, RegionFormat.UNPADDED),
         rank,
-        num_workers,
-        cpu_page_size,
         directory=directory,
     )
 

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import torch
 
-from kvshm.region import OpenMode, SharedOffloadRegion
+from kvshm.region import OpenMode, RegionFormat, RegionLayout, SharedOffloadRegion
 from kvshm.transfer import (
     CanonicalKVCacheRef,
     CpuGpuOffloadingHandlers,
@@ -28,11 +28,8 @@ def main(directory: str, instance: str, rank: int, num_blocks: int, block: int) 
     torch.cuda.set_device(rank)
     region = SharedOffloadRegion(
         instance,
-        num_blocks * block * 2,
-        num_blocks,
+        RegionLayout(num_blocks, block, 2, RegionFormat.UNPADDED),  # as helpers.open_region
         rank,
-        2,
-        block,
         directory=directory,
         mode=OpenMode.ATTACH,
     )

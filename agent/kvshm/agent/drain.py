@@ -3,15 +3,14 @@
 A drain starts when a region is deleted or no longer placed here. The agent first drops its own
 mapping, then publishes a drain event to the workers attached to the region (a notifier, the
 kvshm.ipc queue in the region directory), then on every pass probes whether any process still
-holds the file. Once none does, or the grace period has passed, it removes the region file and
-the files the notifier made, then the directory if nothing else is left in it. A file a live
-process holds is never removed before the grace period ends; after it the unlinked memory stays
-with its last holder until that process exits.
+holds any of the region's files. Once none does, or the grace period has passed, it removes
+every file of the region (file 0 first) and the files the notifier made, then the directory if
+nothing else is left in it. A file a live process holds is never removed before the grace
+period ends; after it the unlinked memory stays with its last holder until that process exits.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +20,13 @@ from typing import Any, Protocol
 from kvshm.agent.errors import describe
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion
+from kvshm.agent.regionfiles import (
+    describe_unsafe,
+    files_of,
+    holding_all,
+    unlink_held,
+    unlink_unheld,
+)
 from kvshm.agent.saferoot import RegionDir, RegionRoot
 from kvshm.api import OffloadRegion, ReclaimPolicy
 from kvshm.region import UnsafePathError
@@ -79,7 +85,7 @@ class Drain:
     deadline_monotonic: float
     deadline_unix: float
     hosted: HostedRegion | None = None
-    file_id: tuple[int, int] | None = None  # the file's (dev, inode), when the agent held it
+    file_id: tuple[int, int] | None = None  # file 0's (dev, inode), when the agent held it
     notified: bool = False
     message: str = ""
 
@@ -123,21 +129,20 @@ class Drainer:
             drain.hosted.release()
             drain.hosted = None
         region = drain.region
-        file_name = region_file_name(region.instance_id)
         if region.reclaim_policy is ReclaimPolicy.RETAIN:
-            path = f"{self._root.path}/{region.key}/{file_name}"
+            path = f"{self._root.path}/{region.key}/{region_file_name(region.instance_id)}"
             return DrainStep(
                 DrainOutcome.RETAINED,
-                f"released by the agent; {path} is kept (reclaimPolicy: Retain) and is "
-                f"listed as unclaimed in the node inventory",
+                f"released by the agent; {path} (and any other file of the region) is kept "
+                f"(reclaimPolicy: Retain) and is listed as unclaimed in the node inventory",
             )
         region_dir = self._root.open_region_dir(region.namespace, region.name)
         if region_dir is None:
             return DrainStep(DrainOutcome.GONE, "nothing left to remove")
         with region_dir:
-            return self._drain_dir(drain, region_dir, file_name)
+            return self._drain_dir(drain, region_dir)
 
-    def _drain_dir(self, drain: Drain, region_dir: RegionDir, file_name: str) -> DrainStep:
+    def _drain_dir(self, drain: Drain, region_dir: RegionDir) -> DrainStep:
         region = drain.region
         if not drain.notified:
             self._notifier.publish(
@@ -152,30 +157,28 @@ class Drainer:
             )
             drain.notified = True
         expired = self._clock() >= drain.deadline_monotonic
-        leftovers: list[str] = []
+        file_set, unsafe = files_of(region_dir, region.instance_id)
+        leftovers = [describe_unsafe(region_dir, entry) for entry in unsafe]
         outcome = DrainOutcome.GONE
-        try:
-            with self._holds.exclusive(
-                region_dir.fd, file_name, region_dir.file_path(file_name)
-            ) as fd:
-                if fd is None and not expired:
-                    left = max(0.0, drain.deadline_monotonic - self._clock())
-                    return DrainStep(
-                        None,
-                        f"waiting up to {left:.0f}s for the processes holding "
-                        f"{region_dir.file_path(file_name)} to detach",
-                    )
-                outcome = DrainOutcome.RELEASED if fd is not None else DrainOutcome.GRACE_EXPIRED
-                # unlinked while the exclusive lock (if any) keeps new attachers out
-                problem = region_dir.unlink_regular(
-                    file_name, os.fstat(fd) if fd is not None else None
-                )
-                if problem:
-                    leftovers.append(problem)
-        except FileNotFoundError:
-            pass
-        except UnsafePathError as exc:
-            leftovers.append(describe(exc))
+        if file_set is not None:
+            path = region_dir.file_path(file_set.first_name)
+            try:
+                # unlinked while the exclusive locks (if any) keep new attachers out
+                with holding_all(self._holds, region_dir, file_set.names) as held:
+                    if held is None and not expired:
+                        left = max(0.0, drain.deadline_monotonic - self._clock())
+                        return DrainStep(
+                            None,
+                            f"waiting up to {left:.0f}s for the processes holding {path} to detach",
+                        )
+                    if held is None:
+                        outcome = DrainOutcome.GRACE_EXPIRED
+                        leftovers += unlink_unheld(region_dir, file_set.names)
+                    else:
+                        outcome = DrainOutcome.RELEASED
+                        leftovers += unlink_held(region_dir, held)
+            except UnsafePathError as exc:
+                leftovers.append(describe(exc))
         self._notifier.close(region_dir)
         for name in self._notifier.file_names(region_dir):
             problem = region_dir.unlink_regular(name)

@@ -1,10 +1,10 @@
-"""One region file the agent holds: created or adopted, populated, mlocked, kept mapped.
+"""One region the agent holds (all its files): created or adopted, populated, mlocked, kept mapped.
 
 Opening and populating run in a thread of the region's own (populating itself fans out to
 more threads), so one large region never delays another's report. The agent keeps the mapping
 (and the mlock) for as long as it runs, and drops its own shared flock right after opening so
 that the holder probe sees only other processes. Stopping the agent releases nothing on disk:
-the file outlives it and is adopted again, never re-created, on the next start.
+the files outlive it and are adopted again, never re-created, on the next start.
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ class HostedRegion:
         self.adopt = adopt
         self.file_name = region_file_name(region.instance_id)
         self.path = region_dir.file_path(file_name=self.file_name)
-        self.file_id: tuple[int, int] | None = None
+        self.file_names = [file.name for file in region.layout.files(region.instance_id)]
+        # (dev, inode) of every file once opened, file 0 first
+        self.file_ids: tuple[tuple[int, int], ...] = ()
         self.created = False  # this attempt made the file (so a failure may remove it)
         self.lock_seconds = 0.0
         self._display_dir = region_dir.path
@@ -122,11 +124,17 @@ class HostedRegion:
                 ErrorReason.LOCK if message else None,
             )
 
+    @property
+    def file_id(self) -> tuple[int, int] | None:
+        """File 0's (dev, inode): the file attachers flock."""
+        return self.file_ids[0] if self.file_ids else None
+
     def set_access(self) -> None:
-        """Re-apply the region's owner and mode to the open file (spec.access changed)."""
+        """Re-apply the region's owner and mode to the open files (spec.access changed)."""
         if not self.busy and self._shared is not None:
             access = self.region.access
-            set_owner_and_mode(self._shared.fileno(), access.uid, access.gid, access.mode)
+            for fd in self._shared.filenos():
+                set_owner_and_mode(fd, access.uid, access.gid, access.mode)
 
     def release(self) -> None:
         """Unlock and unmap; the file stays where it is. Only once the thread has finished."""
@@ -163,7 +171,7 @@ class HostedRegion:
             self._on_done()
 
     def _open_shared(self) -> SharedOffloadRegion:
-        region, layout = self.region, self.region.layout
+        region = self.region
         if self.adopt:
             mode, populate = OpenMode.ATTACH, None if region.populate else False
         else:
@@ -174,11 +182,7 @@ class HostedRegion:
         try:
             return SharedOffloadRegion(
                 region.instance_id,
-                layout.size_bytes,
-                layout.num_blocks,
-                None,
-                layout.num_workers,
-                layout.cpu_page_size,
+                region.layout,
                 directory=self._fd_dir,
                 mode=mode,
                 file_mode=region.access.mode,
@@ -200,14 +204,17 @@ class HostedRegion:
             self._rate.pace(done)
 
     def _finish(self, shared: SharedOffloadRegion) -> None:
-        fd = shared.fileno()
-        fcntl.flock(fd, fcntl.LOCK_UN)  # the agent's own mapping must not count as a holder
+        # the agent's own mapping must not count as a holder (attachers flock file 0)
+        fcntl.flock(shared.fileno(), fcntl.LOCK_UN)
         access = self.region.access
-        set_owner_and_mode(fd, access.uid, access.gid, access.mode)
-        st = os.fstat(fd)
-        self.file_id = (st.st_dev, st.st_ino)
+        ids = []
+        for fd in shared.filenos():
+            set_owner_and_mode(fd, access.uid, access.gid, access.mode)
+            st = os.fstat(fd)
+            ids.append((st.st_dev, st.st_ino))
+        self.file_ids = tuple(ids)
         size = shared.layout.size_bytes
-        populated = size if shared.populate_method else min(size, st.st_blocks * 512)
+        populated = size if shared.populate_method else min(size, shared.allocated_bytes())
         message = self._try_lock(shared) if self.region.lock else ""
         self._set(
             HostingStatus(

@@ -1,4 +1,5 @@
-"""The node inventory: every region-shaped file under the root, whose it is, whether it is held.
+"""The node inventory: every region under the root (all its files as one), whose it is, whether
+it is held.
 
 It is what the operator decides orphans from, so it errs on the safe side: a file that could not
 be probed counts as held, and anything unsafe (a symlink or FIFO with a region file's name, a
@@ -7,7 +8,6 @@ hard-linked file) is reported as a problem, never opened.
 
 from __future__ import annotations
 
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -15,10 +15,10 @@ from datetime import UTC, datetime
 
 from kvshm.agent.errors import describe
 from kvshm.agent.holders import HoldChecker
+from kvshm.agent.regionfiles import describe_unsafe, find_region_files, is_held
 from kvshm.agent.reports import InventoryFile, NodeInventory
 from kvshm.agent.saferoot import RegionDir, RegionRoot
 from kvshm.region import UnsafePathError
-from kvshm.region.safefile import describe_file_type
 
 ClaimLookup = Callable[[str, str, str], str]
 """(namespace, name, instance id) -> key of the region that claims the file, or ""."""
@@ -65,24 +65,16 @@ class InventoryScanner:
     def _scan_dir(
         self, region_dir: RegionDir, claimed_by: ClaimLookup, problems: list[str]
     ) -> list[InventoryFile]:
+        """One entry per region (all its files), named by its file 0, or by its first file
+        when file 0 is gone."""
         found = []
         now = time.time()
-        for file_name, instance_id in region_dir.region_files():
-            path = region_dir.file_path(file_name)
-            st = region_dir.lstat(file_name)
-            if st is None:
-                continue
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                links = f" with {st.st_nlink} links" if stat.S_ISREG(st.st_mode) else ""
-                problems.append(
-                    f"{path} is {describe_file_type(st.st_mode)}{links}, not a region file; "
-                    f"left untouched"
-                )
-                continue
+        file_sets, unsafe = find_region_files(region_dir)
+        problems.extend(describe_unsafe(region_dir, entry) for entry in unsafe)
+        for file_set in file_sets:
+            path = region_dir.file_path(file_set.first_name)
             try:
-                held = self._holds.is_held(region_dir.fd, file_name, path)
-            except FileNotFoundError:
-                continue
+                held = is_held(self._holds, region_dir, file_set.names)
             except (UnsafePathError, OSError) as exc:
                 problems.append(
                     f"{path}: could not probe holders ({describe(exc)}); counted as held"
@@ -90,12 +82,15 @@ class InventoryScanner:
                 held = True
             found.append(
                 InventoryFile(
-                    path=f"{region_dir.namespace}/{region_dir.name}/{file_name}",
-                    size_bytes=st.st_size,
-                    allocated_bytes=st.st_blocks * 512,
-                    claimed_by=claimed_by(region_dir.namespace, region_dir.name, instance_id),
+                    path=f"{region_dir.namespace}/{region_dir.name}/{file_set.first_name}",
+                    size_bytes=file_set.size_bytes,
+                    allocated_bytes=file_set.allocated_bytes,
+                    claimed_by=claimed_by(
+                        region_dir.namespace, region_dir.name, file_set.instance_id
+                    ),
                     held=held,
-                    age_seconds=max(0.0, now - st.st_mtime),
+                    age_seconds=max(0.0, now - file_set.newest_mtime),
+                    files=len(file_set.files),
                 )
             )
         return found

@@ -71,7 +71,7 @@ def _region_gauges(result: PassResult) -> Iterator[Metric]:
         labels=["region", "phase"],
     )
     size = GaugeMetricFamily(
-        "kvshm_agent_region_size_bytes", "Size of each region's file.", labels=["region"]
+        "kvshm_agent_region_size_bytes", "Size of each region (all its files).", labels=["region"]
     )
     populated = GaugeMetricFamily(
         "kvshm_agent_region_populated_bytes",

@@ -1,9 +1,9 @@
 """Executing the reclaims the operator writes into this node's OffloadNode spec.
 
 The operator decided from an inventory that may be a minute old, so every condition is checked
-again at execution time, under the exclusive flock that keeps new attachers out while the file
-is removed: the path must name a region file under the root, no region may claim it, and no
-process may hold it.
+again at execution time, under the exclusive flocks that keep new attachers out while the files
+are removed: the path must name a region file under the root, no region may claim its instance
+id, and no process may hold any of its files. A reclaim removes every file of the region.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from datetime import UTC, datetime
 from kvshm.agent.counters import Counters
 from kvshm.agent.errors import ErrorReason, describe
 from kvshm.agent.holders import HoldChecker
+from kvshm.agent.regionfiles import describe_unsafe, files_of, holding_all, unlink_held
 from kvshm.agent.reports import AgentEvent, EventReason, ReclaimOutcome, ReclaimResult
-from kvshm.agent.saferoot import RegionRoot, is_namespace, is_region_name
-from kvshm.region import UnsafePathError, instance_id_from_file_name
+from kvshm.agent.saferoot import RegionDir, RegionRoot, is_namespace, is_region_name
+from kvshm.region import UnsafePathError, parse_region_file_name
 
 ClaimCheck = Callable[[str, str, str], str]
 """(namespace, name, instance id) -> key of the region claiming the file, or ""."""
@@ -26,7 +27,7 @@ ClaimCheck = Callable[[str, str, str], str]
 
 @dataclass(frozen=True)
 class ReclaimRequest:
-    path: str  # relative to the root: <namespace>/<name>/vllm_offload_<id>.mmap
+    path: str  # relative to the root: <namespace>/<name>/<any file of the region>
     token: str = ""  # the request's content: a changed request is executed again
     size_bytes: int | None = None  # the size the operator decided on; another size is refused
 
@@ -41,15 +42,15 @@ class Reclaimer:
             return ReclaimResult(request.path, outcome, message, datetime.now(UTC))
 
         parts = request.path.split("/")
-        instance_id = instance_id_from_file_name(parts[-1]) if len(parts) == 3 else None
-        if instance_id is None or not is_namespace(parts[0]) or not is_region_name(parts[1]):
+        parsed = parse_region_file_name(parts[-1]) if len(parts) == 3 else None
+        if parsed is None or not is_namespace(parts[0]) or not is_region_name(parts[1]):
             return result(
                 ReclaimOutcome.FAILED,
-                f"{request.path!r} is not <namespace>/<name>/vllm_offload_<id>.mmap relative to "
-                f"the region root; nothing was removed",
+                f"{request.path!r} is not <namespace>/<name>/vllm_offload_<id>.mmap[.<i>] "
+                f"relative to the region root; nothing was removed",
             )
-        namespace, name, file_name = parts
-        claimant = claimed_by(namespace, name, instance_id)
+        namespace, name, _ = parts
+        claimant = claimed_by(namespace, name, parsed.instance_id)
         if claimant:
             return result(
                 ReclaimOutcome.REFUSED_CLAIMED, f"region {claimant} claims it; it was kept"
@@ -61,33 +62,50 @@ class Reclaimer:
         if region_dir is None:
             return result(ReclaimOutcome.DONE, "already gone")
         with region_dir:
-            self._holds.refresh()
-            path = region_dir.file_path(file_name)
-            try:
-                with self._holds.exclusive(region_dir.fd, file_name, path) as fd:
-                    if fd is None:
-                        return result(
-                            ReclaimOutcome.REFUSED_HELD,
-                            f"a live process holds {path}; it was kept",
-                        )
-                    locked = os.fstat(fd)
-                    if request.size_bytes is not None and locked.st_size != request.size_bytes:
-                        return result(
-                            ReclaimOutcome.REFUSED_CLAIMED,
-                            f"{path} is {locked.st_size} bytes, not the {request.size_bytes} "
-                            f"bytes the decision was made on: it was re-created or resized "
-                            f"since, so it was kept",
-                        )
-                    problem = region_dir.unlink_regular(file_name, locked)
-            except FileNotFoundError:
-                return result(ReclaimOutcome.DONE, "already gone")
-            except UnsafePathError as exc:
-                return result(ReclaimOutcome.FAILED, describe(exc))
-            if problem:
-                return result(ReclaimOutcome.FAILED, f"{problem}; nothing was removed")
-            if region_dir.remove_if_empty():
-                self._root.remove_namespace_if_empty(namespace)
-        return result(ReclaimOutcome.DONE, f"removed {path} ({locked.st_blocks * 512} bytes freed)")
+            return self._remove(request, region_dir, parsed.instance_id, result)
+
+    def _remove(
+        self,
+        request: ReclaimRequest,
+        region_dir: RegionDir,
+        instance_id: str,
+        result: Callable[[ReclaimOutcome, str], ReclaimResult],
+    ) -> ReclaimResult:
+        """Remove every file of the instance id in the directory, all held exclusively."""
+        self._holds.refresh()
+        file_set, unsafe = files_of(region_dir, instance_id)
+        if unsafe:
+            found = "; ".join(describe_unsafe(region_dir, entry) for entry in unsafe)
+            return result(ReclaimOutcome.FAILED, f"{found}; nothing was removed")
+        if file_set is None:
+            return result(ReclaimOutcome.DONE, "already gone")
+        path = region_dir.file_path(file_set.first_name)
+        try:
+            with holding_all(self._holds, region_dir, file_set.names) as held:
+                if held is None:
+                    return result(
+                        ReclaimOutcome.REFUSED_HELD,
+                        f"a live process holds {path} (or another file of it); it was kept",
+                    )
+                locked = [os.fstat(fd) for fd in held.values()]
+                size = sum(st.st_size for st in locked)
+                if request.size_bytes is not None and size != request.size_bytes:
+                    return result(
+                        ReclaimOutcome.REFUSED_CLAIMED,
+                        f"{path} and its other files are {size} bytes, not the "
+                        f"{request.size_bytes} bytes the decision was made on: they were "
+                        f"re-created or resized since, so they were kept",
+                    )
+                problems = unlink_held(region_dir, held)
+        except UnsafePathError as exc:
+            return result(ReclaimOutcome.FAILED, describe(exc))
+        freed = sum(st.st_blocks * 512 for st in locked)
+        if problems:
+            return result(ReclaimOutcome.FAILED, "; ".join(problems) + "; not all was removed")
+        if region_dir.remove_if_empty():
+            self._root.remove_namespace_if_empty(region_dir.namespace)
+        files = f"{len(locked)} files" if len(locked) > 1 else "1 file"
+        return result(ReclaimOutcome.DONE, f"removed {path} ({files}, {freed} bytes freed)")
 
 
 class ReclaimBook:

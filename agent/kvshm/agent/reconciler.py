@@ -9,6 +9,7 @@ is re-checked on the next pass.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -25,6 +26,7 @@ from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion, HostingSettings
 from kvshm.agent.inventory import InventoryScanner
 from kvshm.agent.reclaim import ReclaimBook, Reclaimer
+from kvshm.agent.regionfiles import RegionFileSet, files_of, holding_all, unlink_held
 from kvshm.agent.reports import (
     AgentEvent,
     EventReason,
@@ -36,7 +38,14 @@ from kvshm.agent.saferoot import RegionDir, RegionRoot
 from kvshm.agent.sizes import format_bytes
 from kvshm.agent.view import ClusterView
 from kvshm.api import NodeRegionPhase, OffloadRegion
-from kvshm.region import RegionError, RegionSizeMismatchError, UnsafePathError
+from kvshm.region import (
+    RegionError,
+    RegionExtraFileError,
+    RegionFileExistsError,
+    RegionFileMissingError,
+    RegionSizeMismatchError,
+    UnsafePathError,
+)
 from kvshm.region.naming import region_file_name
 from kvshm.region.safefile import check_regular
 
@@ -254,13 +263,15 @@ class NodeReconciler:
 
     def _keep_hosting(self, hosted: HostedRegion, region: OffloadRegion) -> bool:
         """Apply spec changes to a ready region; False if it has to be opened again."""
-        if region.size_bytes != hosted.region.size_bytes:
+        if region.layout.file_ranges() != hosted.region.layout.file_ranges():
             self._fail(
                 region,
                 ErrorReason.SIZE_MISMATCH,
-                f"spec asks for {region.size_bytes} bytes but {hosted.path} is "
-                f"{hosted.region.size_bytes} bytes; a region file is never truncated. Use a new "
-                f"instanceId for the new layout, or delete the region and create it again.",
+                f"spec asks for {region.layout.describe()}, {region.size_bytes} bytes, but "
+                f"{hosted.path} holds {hosted.region.layout.describe()}, "
+                f"{hosted.region.size_bytes} bytes; region files are never truncated or "
+                f"re-split. Use a new instanceId for the new layout, or delete the region and "
+                f"create it again.",
             )
             return True
         if not self._still_in_place(hosted):
@@ -289,10 +300,11 @@ class NodeReconciler:
             if region_dir is None:
                 return False
             with region_dir:
-                st = region_dir.lstat(hosted.file_name)
+                found = [region_dir.lstat(name) for name in hosted.file_names]
         except OSError:  # unsafe now, or unreadable: opened again, which says why
             return False
-        return st is not None and (st.st_dev, st.st_ino) == hosted.file_id
+        ids = tuple((st.st_dev, st.st_ino) for st in found if st is not None)
+        return ids == hosted.file_ids
 
     def _apply_access(self, hosted: HostedRegion) -> None:
         region = hosted.region
@@ -338,16 +350,43 @@ class NodeReconciler:
         )
 
     def _inspect(self, region: OffloadRegion, region_dir: RegionDir) -> tuple[bool, int]:
-        """(adopt, bytes still to allocate) for the region's file; raises what forbids it."""
-        file_name = region_file_name(region.instance_id)
-        path = region_dir.file_path(file_name)
-        st = region_dir.lstat(file_name)
-        if st is None:
+        """(adopt, bytes still to allocate) for the region's files; raises what forbids it.
+
+        Adopted only when every file the layout names is there with its size and nothing else
+        of the instance id is; anything else is reported and left as it is (never truncated).
+        Files of the id left without their file 0 can be attached by no one: they are removed
+        (unless a process holds them) before the region is created afresh."""
+        found, unsafe = files_of(region_dir, region.instance_id)
+        for entry in unsafe:  # symlink, FIFO, directory, hard link: refused, untouched
+            check_regular(entry.stat, region_dir.file_path(entry.name))
+        if found is None:
             return False, region.size_bytes
-        check_regular(st, path)  # symlink, FIFO, directory, hard link: refused, untouched
-        if st.st_size != region.size_bytes:
-            raise RegionSizeMismatchError(path, st.st_size, region.size_bytes)
-        return True, max(0, region.size_bytes - st.st_blocks * 512)
+        if not found.has_file_0:
+            self._remove_strays(region_dir, found)
+            return False, region.size_bytes
+        expected = {file.name: file.length for file in region.layout.files(region.instance_id)}
+        for file in found.files:
+            path = region_dir.file_path(file.name)
+            if file.name not in expected:
+                raise RegionExtraFileError(path, file.stat.st_size, len(expected))
+            if file.stat.st_size != expected[file.name]:
+                raise RegionSizeMismatchError(path, file.stat.st_size, expected[file.name])
+        missing = [name for name in expected if name not in found.names]
+        if missing:
+            raise RegionFileMissingError(region_dir.file_path(missing[0]), expected[missing[0]])
+        return True, max(0, region.size_bytes - found.allocated_bytes)
+
+    def _remove_strays(self, region_dir: RegionDir, strays: RegionFileSet) -> None:
+        with holding_all(self._holds, region_dir, strays.names) as held:
+            if held is None:
+                raise RegionFileExistsError(
+                    region_dir.file_path(strays.first_name),
+                    region_dir.file_path(region_file_name(strays.instance_id)),
+                )
+            problems = unlink_held(region_dir, held)
+        if problems:
+            raise UnsafePathError(errno.EPERM, "; ".join(problems))
+        log.info("removed %s files left without their file 0", ", ".join(strays.names))
 
     def _capacity(self, needed: int) -> CapacityCheck:
         _, free = self.root.filesystem_bytes()
@@ -374,23 +413,31 @@ class NodeReconciler:
         self._failures[region.key].retry_delay = delay
 
     def _remove_failed_creation(self, hosted: HostedRegion) -> str:
-        """A file this agent just created and could not finish holds no one's data: remove it,
+        """Files this agent just created and could not finish hold no one's data: remove them,
         unless someone attached meanwhile."""
         region = hosted.region
-        region_dir = self.root.open_region_dir(region.namespace, region.name)
+        try:
+            region_dir = self.root.open_region_dir(region.namespace, region.name)
+        except OSError as exc:
+            return f"; could not look at the partial files: {describe(exc)}"
         if region_dir is None:
             return ""
         with region_dir:
             try:
-                with self._holds.exclusive(region_dir.fd, hosted.file_name, hosted.path) as fd:
-                    if fd is None:
-                        return "; the partial file is held by a process and was kept"
-                    problem = region_dir.unlink_regular(hosted.file_name, os.fstat(fd))
-            except (FileNotFoundError, UnsafePathError):
+                names = [name for name in hosted.file_names if region_dir.lstat(name) is not None]
+                with holding_all(self._holds, region_dir, names) as held:
+                    if held is None:
+                        return "; the partial files are held by a process and were kept"
+                    problems = unlink_held(region_dir, held)
+            except UnsafePathError:
                 return ""
-        return (
-            f"; kept the partial file: {problem}" if problem else "; the partial file was removed"
-        )
+            except OSError as exc:
+                return f"; could not remove the partial files: {describe(exc)}"
+        if not names:
+            return ""
+        if problems:
+            return f"; kept partial files: {'; '.join(problems)}"
+        return "; the partial files were removed"
 
     def _fail(self, region: OffloadRegion, reason: ErrorReason, message: str) -> None:
         if reason is ErrorReason.PERMISSION and "capabilit" not in message:
@@ -466,6 +513,7 @@ class NodeReconciler:
                 populate_seconds=status.populate_seconds,
                 holders=self._holds.flock_holders(hosted.file_id),
                 message=message,
+                files=hosted.region.layout.file_count,
             )
         return reports
 
@@ -477,6 +525,7 @@ class NodeReconciler:
             path=self._file_path(region),
             size_bytes=region.size_bytes,
             message=message,
+            files=region.layout.file_count,
         )
 
     def _file_path(self, region: OffloadRegion) -> str:

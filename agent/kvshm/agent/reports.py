@@ -30,12 +30,14 @@ class NodeReport:
     populate_seconds: float | None = None
     holders: int | None = None  # processes holding the file's shared flock, when known
     message: str = ""
+    files: int = 0  # the region's files (vllm_offload_<id>.mmap, .mmap.1, ...), once known
 
     def to_status(self) -> dict[str, Any]:
         status: dict[str, Any] = {
             "phase": self.phase.value,
             "path": self.path,
             "sizeBytes": self.size_bytes,
+            "fileCount": self.files,
             "populatedBytes": self.populated_bytes,
             "locked": self.locked,
             "message": self.message,
@@ -86,20 +88,22 @@ class AgentEvent:
 
 @dataclass(frozen=True)
 class InventoryFile:
-    """A region-shaped file found under the root (bytes are its size, not what is allocated)."""
+    """A region's files found under the root (bytes are their size, not what is allocated)."""
 
-    path: str  # relative to the root: <namespace>/<name>/vllm_offload_<id>.mmap
-    size_bytes: int
+    path: str  # relative to the root: <namespace>/<name>/vllm_offload_<id>.mmap (file 0)
+    size_bytes: int  # of all its files
     allocated_bytes: int
     claimed_by: str  # "<namespace>/<name>" of the region that names this file, or ""
     held: bool  # a process other than the agent holds it (flock, or /proc when enabled)
     age_seconds: float
     first_seen_unclaimed: datetime | None = None
+    files: int = 1  # vllm_offload_<id>.mmap and its .mmap.<i> files
 
     def to_status(self) -> dict[str, Any]:
         status: dict[str, Any] = {
             "path": self.path,
             "sizeBytes": self.size_bytes,
+            "fileCount": self.files,
             "claimedBy": self.claimed_by,
             "held": self.held,
             "ageSeconds": int(self.age_seconds),

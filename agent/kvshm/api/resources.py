@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from kvshm.region import InvalidInstanceIdError, InvalidLayoutError, RegionLayout
+from kvshm.region import InvalidInstanceIdError, InvalidLayoutError, RegionFormat, RegionLayout
 from kvshm.region.naming import validate_instance_id
 from kvshm.region.shared_region import DEFAULT_FILE_MODE, check_file_mode
 
@@ -196,6 +196,8 @@ def parse_offload_region(manifest: Mapping[str, Any]) -> OffloadRegion:
             _field(layout_spec, "layout.numBlocks", int, None),
             _field(layout_spec, "layout.cpuPageSize", int, None),
             _field(layout_spec, "layout.numWorkers", int, 1),
+            _field(layout_spec, "layout.format", str, RegionFormat.VLLM_0_33.value),
+            _field(layout_spec, "layout.replicated", bool, False),
         )
     except InvalidLayoutError as exc:
         raise SpecError(f"spec.layout: {exc}") from exc

@@ -5,17 +5,23 @@ from kvshm.region.errors import (
     InvalidLayoutError,
     RegionAttachTimeout,
     RegionError,
+    RegionExtraFileError,
+    RegionFileExistsError,
+    RegionFileMissingError,
     RegionLockError,
     RegionSizeMismatchError,
     RegionSpaceError,
     UnsafePathError,
 )
-from kvshm.region.layout import RegionLayout
+from kvshm.region.layout import RegionFile, RegionFormat, RegionLayout
 from kvshm.region.naming import (
     INSTANCE_ID_PATTERN,
     MAX_INSTANCE_ID_LENGTH,
+    RegionFileName,
     instance_id_from_file_name,
+    parse_region_file_name,
     region_file_name,
+    segment_file_name,
     validate_instance_id,
 )
 from kvshm.region.populate import PopulateMethod
@@ -30,6 +36,12 @@ __all__ = [
     "PopulateMethod",
     "RegionAttachTimeout",
     "RegionError",
+    "RegionExtraFileError",
+    "RegionFile",
+    "RegionFileExistsError",
+    "RegionFileMissingError",
+    "RegionFileName",
+    "RegionFormat",
     "RegionLayout",
     "RegionLockError",
     "RegionSizeMismatchError",
@@ -37,7 +49,9 @@ __all__ = [
     "SharedOffloadRegion",
     "UnsafePathError",
     "instance_id_from_file_name",
+    "parse_region_file_name",
     "pin_mmap_region",
     "region_file_name",
+    "segment_file_name",
     "validate_instance_id",
 ]

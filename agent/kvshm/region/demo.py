@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from kvshm.api import OffloadRegion, SpecError, parse_offload_region
+from kvshm.region.layout import RegionFormat, RegionLayout
 from kvshm.region.shared_region import OpenMode, SharedOffloadRegion
 
 GB = 1e9
@@ -62,22 +63,23 @@ def pattern(block: int, rank: int) -> int:
     return (block * 7 + rank * 31 + 1) % 256
 
 
+def cell_owner(layout: RegionLayout, rank: int) -> int:
+    """The rank whose pattern a cell holds: in a replicated layout every rank shares rank 0's."""
+    return 0 if layout.replicated else rank
+
+
 def run_demo(args: argparse.Namespace) -> int:
     region = load_region(args)
     layout = region.layout
     os.makedirs(args.directory, mode=0o700, exist_ok=True)
     print(
-        f"region {region.key}: {layout.num_blocks} blocks x {layout.num_workers} workers x "
-        f"{layout.cpu_page_size} B = {layout.size_bytes / 2**30:.2f} GiB in {args.directory}"
+        f"region {region.key}: {layout.describe()} = {layout.size_bytes / 2**30:.2f} GiB "
+        f"in {args.directory}"
     )
     started = time.monotonic()
     owner = SharedOffloadRegion(
         region.instance_id,
-        layout.size_bytes,
-        layout.num_blocks,
-        None,
-        layout.num_workers,
-        layout.cpu_page_size,
+        layout,
         directory=args.directory,
         mode=OpenMode.CREATE,
         file_mode=region.access.mode,
@@ -102,7 +104,7 @@ def run_demo(args: argparse.Namespace) -> int:
         rows = owner.create_kv_memoryview().cast("B")
         for block in range(layout.num_blocks):
             for rank in range(layout.num_workers):
-                rows[layout.cell_offset(block, rank)] = pattern(block, rank)
+                rows[layout.cell_offset(block, rank)] = pattern(block, cell_owner(layout, rank))
         print(
             f"  agent side ready after {time.monotonic() - started:.3f} s (create {created:.3f} s)"
         )
@@ -134,6 +136,8 @@ def _spawn_worker(region: OffloadRegion, directory: str, rank: int) -> dict[str,
             "blocks": region.layout.num_blocks,
             "page": region.layout.cpu_page_size,
             "workers": region.layout.num_workers,
+            "format": region.layout.format.value,
+            "replicated": region.layout.replicated,
             "rank": rank,
             "directory": directory,
         }
@@ -150,15 +154,15 @@ def _spawn_worker(region: OffloadRegion, directory: str, rank: int) -> dict[str,
 def run_demo_worker(spec_json: str) -> int:
     """One serving worker: attach only, check the agent's pattern in its cells, mark them."""
     spec = json.loads(spec_json)
-    blocks, page, workers, rank = spec["blocks"], spec["page"], spec["workers"], spec["rank"]
+    blocks, rank = spec["blocks"], spec["rank"]
+    layout = RegionLayout(
+        blocks, spec["page"], spec["workers"], RegionFormat(spec["format"]), spec["replicated"]
+    )
     started = time.monotonic()
     with SharedOffloadRegion(
         spec["instance_id"],
-        blocks * page * workers,
-        blocks,
+        layout,
         rank,
-        workers,
-        page,
         directory=spec["directory"],
         mode=OpenMode.ATTACH,
         attach_timeout=5,
@@ -166,9 +170,10 @@ def run_demo_worker(spec_json: str) -> int:
         attach_seconds = time.monotonic() - started
         rows = region.create_kv_memoryview().cast("B")
         ok = all(
-            rows[region.layout.cell_offset(b, rank)] == pattern(b, rank) for b in range(blocks)
+            rows[layout.cell_offset(b, rank)] == pattern(b, cell_owner(layout, rank))
+            for b in range(blocks)
         )
-        rows[region.layout.cell_offset(0, rank) + 1] = 0xA5
+        rows[layout.cell_offset(0, rank) + 1] = 0xA5
         rows.release()
     print(json.dumps({"ok": ok, "attach_seconds": attach_seconds}))
     return 0

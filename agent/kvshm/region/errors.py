@@ -36,6 +36,54 @@ class RegionSizeMismatchError(RegionError, OSError):
         self.expected_bytes = expected_bytes
 
 
+class RegionFileMissingError(RegionSizeMismatchError):
+    """File 0 of a segmented region exists but a later file of it does not; nothing is created."""
+
+    def __init__(self, path: str, expected_bytes: int) -> None:
+        OSError.__init__(
+            self,
+            errno.ENOENT,
+            f"region file {path} ({expected_bytes} bytes) is missing although the region's "
+            f"first file is there; nothing was created or changed. The region is incomplete "
+            f"(someone removed a file): delete the region's files once nothing uses them, or "
+            f"use a new instance id.",
+        )
+        self.path = path
+        self.actual_bytes = 0
+        self.expected_bytes = expected_bytes
+
+
+class RegionExtraFileError(RegionSizeMismatchError):
+    """A file of the region's instance id that its layout does not name (made for another one)."""
+
+    def __init__(self, path: str, actual_bytes: int, file_count: int) -> None:
+        OSError.__init__(
+            self,
+            errno.EEXIST,
+            f"region file {path} ({actual_bytes} bytes) is not one of the {file_count} files the "
+            f"layout names: the files on disk were made for another layout; they were left "
+            f"untouched. Use a different instance id, or remove the old region's files once "
+            f"nothing uses them.",
+        )
+        self.path = path
+        self.actual_bytes = actual_bytes
+        self.expected_bytes = 0
+
+
+class RegionFileExistsError(RegionError, OSError):
+    """A creator found a file already where one of its region's other files goes."""
+
+    def __init__(self, path: str, first_file: str) -> None:
+        super().__init__(
+            errno.EEXIST,
+            f"{path} already exists, left over from an earlier region with the same instance "
+            f"id; it was left untouched and {first_file} was not completed. Remove the "
+            f"leftover once nothing uses it (the kvshm agent lists it as an orphan), or use "
+            f"another instance id.",
+        )
+        self.path = path
+
+
 class RegionSpaceError(RegionError, OSError):
     """The filesystem holding the region cannot hold all of its pages."""
 

@@ -1,25 +1,53 @@
-"""The byte layout of a region: one row per block, one cell per worker in each row."""
+"""The byte layout of a region: one row per block, one cell per worker in each row, and the files
+the rows are split over. Each format is the layout of the vLLM releases it names, byte for byte."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from kvshm.region.errors import InvalidLayoutError
+from kvshm.region.naming import segment_file_name
 
 MAX_REGION_BYTES = 2**63 - 1  # off_t and Kubernetes' int64 both stop here
+ROW_ALIGNMENT = 4096  # vLLM pads rows to its BLOCK_SIZE_ALIGNMENT, the x86-64 page size
+MAX_SEGMENTS = 32  # vLLM 0.33's CPUOffloadingSpec asks for this many files
+MIN_SEGMENT_BYTES = 1 << 30  # vLLM 0.33 gives no file less than 1 GiB
+
+
+class RegionFormat(StrEnum):
+    VLLM_0_33 = "vllm-0.33"
+    """vLLM 0.33 and later: rows padded to 4096 bytes, split over up to 32 files."""
+    VLLM_0_27 = "vllm-0.27"
+    """vLLM 0.27 to 0.32: rows padded to 4096 bytes, one file."""
+    UNPADDED = "unpadded"
+    """kvshm's first layout: rows of exactly numWorkers cells, one file. No vLLM release pads
+    nothing, so vLLM only attaches it when cpuPageSize x numWorkers is a multiple of 4096."""
+
+
+@dataclass(frozen=True)
+class RegionFile:
+    """One file of a region: its name and the bytes of the region it holds."""
+
+    name: str
+    offset: int
+    length: int
 
 
 @dataclass(frozen=True)
 class RegionLayout:
-    """numBlocks rows of numWorkers cells, each cell cpuPageSize bytes.
+    """numBlocks rows; a row holds numWorkers cells of cpuPageSize bytes (one cell, shared by
+    every worker, when replicated), padded as the format says.
 
-    Block b's row starts at b * row_stride; worker r's cell in it at r * cpu_page_size.
-    This is vLLM's layout byte for byte.
+    Block b's row starts at b * row_stride; worker r's cell in it at r * cpu_page_size (at 0 for
+    every worker when replicated). The rows are split over files as `files()` lists them.
     """
 
     num_blocks: int
     cpu_page_size: int
     num_workers: int
+    format: RegionFormat = RegionFormat.VLLM_0_33
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "cpu_page_size", "num_workers"):
@@ -28,16 +56,37 @@ class RegionLayout:
                 raise InvalidLayoutError(f"{name} must be an integer, got {value!r}")
             if value < 1:
                 raise InvalidLayoutError(f"{name} must be at least 1, got {value}")
-        if self.num_blocks * self.cpu_page_size * self.num_workers > MAX_REGION_BYTES:
+        try:
+            object.__setattr__(self, "format", RegionFormat(self.format))
+        except ValueError:
+            known = ", ".join(f.value for f in RegionFormat)
             raise InvalidLayoutError(
-                f"{self.num_blocks} blocks x {self.cpu_page_size} bytes x {self.num_workers} "
-                f"workers is more than {MAX_REGION_BYTES} bytes: ask for fewer blocks"
+                f"format must be one of {known}; got {self.format!r}"
+            ) from None
+        if not isinstance(self.replicated, bool):
+            raise InvalidLayoutError(f"replicated must be true or false, got {self.replicated!r}")
+        if self.replicated and self.format is RegionFormat.UNPADDED:
+            raise InvalidLayoutError(
+                "a replicated layout needs format vllm-0.33 or vllm-0.27 (the vLLM releases that "
+                "map one shared copy per row); unpadded rows always hold one cell per worker"
+            )
+        if self.num_blocks * self.row_stride > MAX_REGION_BYTES:
+            raise InvalidLayoutError(
+                f"{self.num_blocks} blocks x {self.row_stride} bytes per row is more than "
+                f"{MAX_REGION_BYTES} bytes: ask for fewer blocks"
             )
 
     @property
+    def cells_per_row(self) -> int:
+        return 1 if self.replicated else self.num_workers
+
+    @property
     def row_stride(self) -> int:
-        """Bytes from one block's row to the next: all workers' cells of one block."""
-        return self.cpu_page_size * self.num_workers
+        """Bytes from one block's row to the next."""
+        cells = self.cpu_page_size * self.cells_per_row
+        if self.format is RegionFormat.UNPADDED:
+            return cells
+        return -(-cells // ROW_ALIGNMENT) * ROW_ALIGNMENT
 
     @property
     def size_bytes(self) -> int:
@@ -49,12 +98,16 @@ class RegionLayout:
                 f"rank must be an integer in [0, {self.num_workers}), got {rank!r}"
             )
 
+    def cell_start(self, rank: int) -> int:
+        """Offset of worker `rank`'s cell within a row (0 for everyone when replicated)."""
+        self.check_rank(rank)
+        return 0 if self.replicated else rank * self.cpu_page_size
+
     def cell_offset(self, block: int, rank: int) -> int:
         """Byte offset of worker `rank`'s cell in block `block`'s row."""
-        self.check_rank(rank)
         if not 0 <= block < self.num_blocks:
             raise InvalidLayoutError(f"block must be in [0, {self.num_blocks}), got {block}")
-        return block * self.row_stride + rank * self.cpu_page_size
+        return block * self.row_stride + self.cell_start(rank)
 
     def rank_ranges(self, rank: int, page_size: int) -> list[tuple[int, int]]:
         """(offset, length) of worker `rank`'s cell in every row, each widened down to a page.
@@ -62,10 +115,10 @@ class RegionLayout:
         Adjacent ranges that touch are merged, so a worker whose cells fill whole pages
         gets few large ranges instead of one per block.
         """
-        self.check_rank(rank)
+        cell_start = self.cell_start(rank)
         ranges: list[tuple[int, int]] = []
         for block in range(self.num_blocks):
-            start = block * self.row_stride + rank * self.cpu_page_size
+            start = block * self.row_stride + cell_start
             aligned = start - start % page_size
             end = start + self.cpu_page_size
             if ranges and ranges[-1][0] + ranges[-1][1] >= aligned:
@@ -84,3 +137,40 @@ class RegionLayout:
             rows = min(rows_per_chunk, self.num_blocks - first_row)
             chunks.append((first_row * self.row_stride, rows * self.row_stride))
         return chunks
+
+    @property
+    def rows_per_file(self) -> int:
+        """vLLM 0.33: n = min(32, size // 1 GiB) files of ceil(rows / n) rows, the last takes
+        the rest (so there may be fewer than n). Other formats: all rows in one file."""
+        if self.format is not RegionFormat.VLLM_0_33:
+            return self.num_blocks
+        files = min(MAX_SEGMENTS, self.size_bytes // MIN_SEGMENT_BYTES)
+        return max(1, -(-self.num_blocks // max(1, files)))
+
+    @property
+    def file_count(self) -> int:
+        return -(-self.num_blocks // self.rows_per_file)
+
+    def file_ranges(self) -> list[tuple[int, int]]:
+        """(offset, length) in the region of each file, file 0 first; they tile the region."""
+        rows = self.rows_per_file
+        return [
+            (first * self.row_stride, min(rows, self.num_blocks - first) * self.row_stride)
+            for first in range(0, self.num_blocks, rows)
+        ]
+
+    def files(self, instance_id: str) -> list[RegionFile]:
+        """The region's files as vLLM names and maps them: vllm_offload_<id>.mmap, then
+        vllm_offload_<id>.mmap.1, .2, ..., mapped back to back in this order."""
+        return [
+            RegionFile(segment_file_name(instance_id, index), offset, length)
+            for index, (offset, length) in enumerate(self.file_ranges())
+        ]
+
+    def describe(self) -> str:
+        copies = "one shared cell" if self.replicated else f"{self.num_workers} cells"
+        return (
+            f"{self.num_blocks} rows of {copies} of {self.cpu_page_size} bytes "
+            f"({self.format.value}: {self.row_stride}-byte rows, {self.file_count} file"
+            f"{'' if self.file_count == 1 else 's'})"
+        )

@@ -11,6 +11,8 @@ import mmap
 import os
 
 PAGE_SIZE = mmap.PAGESIZE
+MAP_FIXED = 0x10
+MAP_NORESERVE = 0x4000  # Linux; Python 3.11's mmap module does not name it
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module does not name it
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -20,6 +22,15 @@ _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mlock.restype = ctypes.c_int
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.restype = ctypes.c_int
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.mmap.restype = ctypes.c_void_p
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _libc.mincore.restype = ctypes.c_int
 
@@ -38,6 +49,22 @@ def _check(result: int, call: str) -> None:
     if result != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{call}: {os.strerror(err)}")
+
+
+def map_file_at(address: int, length: int, fd: int) -> None:
+    """Map the first `length` bytes of fd shared and read-write exactly at `address`, replacing
+    what was mapped there (MAP_FIXED): how several files become one contiguous range."""
+    result = _libc.mmap(
+        address,
+        length,
+        mmap.PROT_READ | mmap.PROT_WRITE,
+        mmap.MAP_SHARED | MAP_FIXED,
+        fd,
+        0,
+    )
+    if result != address:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap at {address:#x}: {os.strerror(err)}")
 
 
 def madvise(address: int, length: int, advice: int) -> None:

@@ -1,5 +1,6 @@
-"""SharedOffloadRegion: vLLM's CPU offload region (one file every tensor-parallel worker maps),
-created or attached safely, populated in parallel, lockable and registrable with CUDA."""
+"""SharedOffloadRegion: vLLM's CPU offload region (the files every tensor-parallel worker maps as
+one range), created or attached safely, populated in parallel, lockable and registrable with
+CUDA."""
 
 from __future__ import annotations
 
@@ -19,14 +20,21 @@ from kvshm.region.errors import (
     InvalidLayoutError,
     RegionAttachTimeout,
     RegionError,
+    RegionFileExistsError,
+    RegionFileMissingError,
     RegionLockError,
     RegionSizeMismatchError,
     RegionSpaceError,
 )
 from kvshm.region.layout import RegionLayout
-from kvshm.region.naming import region_file_name
 from kvshm.region.pinning import MAX_REGISTRATION_BYTES, CudaRegistration, cuda_runtime
-from kvshm.region.populate import PopulateMethod, PopulateOutOfSpace, Populator, ProgressCallback
+from kvshm.region.populate import (
+    MappedFile,
+    PopulateMethod,
+    PopulateOutOfSpace,
+    Populator,
+    ProgressCallback,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -60,24 +68,26 @@ def check_file_mode(file_mode: int) -> int:
 
 
 class SharedOffloadRegion:
-    """One region file, mapped shared and read-write by this process.
+    """One region, all its files mapped shared and read-write by this process as one range.
 
-    The file is `<directory>/vllm_offload_<instance_id>.mmap`, num_blocks rows of num_workers
-    cells of cpu_page_size bytes: vLLM's name and layout, so either side can be kvshm or vLLM.
+    The files are layout.files(instance_id) in `directory`: vllm_offload_<instance_id>.mmap, and
+    for a large vllm-0.33 region .mmap.1, .mmap.2, ...; num_blocks rows as the layout's format
+    says. That is vLLM's naming, layout and file split, so either side can be kvshm or vLLM.
 
-    populate=None populates when this process created the file, and when it attached to a file
+    A creator creates file 0 first (O_EXCL decides who creates), then every other file with its
+    size, and sizes file 0 last: attachers (vLLM's too) wait for file 0 to reach its size, and
+    then find every file complete. Files are mapped back to back like vLLM maps them.
+
+    populate=None populates when this process created the region, and when it attached to one
     whose pages are not all allocated yet; with a rank only that worker's cells, else all of it.
-    Attached processes hold a shared flock on the file so the agent can tell it is in use.
+    Attached processes hold a shared flock on file 0 so the agent can tell the region is in use.
     """
 
     def __init__(
         self,
         instance_id: str,
-        total_size_bytes: int,
-        num_blocks: int,
-        rank: int | None,
-        num_workers: int,
-        cpu_page_size: int,
+        layout: RegionLayout,
+        rank: int | None = None,
         *,
         directory: str = DEFAULT_DIRECTORY,
         mode: OpenMode | str = OpenMode.CREATE_OR_ATTACH,
@@ -91,17 +101,16 @@ class SharedOffloadRegion:
         progress: ProgressCallback | None = None,
         unlink_on_cleanup: bool | None = None,
     ) -> None:
-        self.layout = RegionLayout(num_blocks, cpu_page_size, num_workers)
-        if total_size_bytes != self.layout.size_bytes:
-            raise InvalidLayoutError(
-                f"total_size_bytes is {total_size_bytes} but {num_blocks} blocks x "
-                f"{cpu_page_size} bytes x {num_workers} workers is {self.layout.size_bytes}"
-            )
+        if not isinstance(layout, RegionLayout):
+            raise InvalidLayoutError(f"layout must be a RegionLayout, got {layout!r}")
         if rank is not None:
-            self.layout.check_rank(rank)
+            layout.check_rank(rank)
+        self.layout = layout
         self.instance_id = instance_id
         self.rank = rank
-        self.file_name = region_file_name(instance_id)
+        self.files = layout.files(instance_id)
+        self.file_name = self.files[0].name
+        self.directory = directory
         self.mmap_path = os.path.join(directory, self.file_name)
         self.mode = OpenMode(mode)
         self.file_mode = check_file_mode(file_mode)
@@ -118,8 +127,9 @@ class SharedOffloadRegion:
         self._base: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
         self._memoryviews: list[memoryview] = []
-        self._next_view_offset = 0 if rank is None else rank * cpu_page_size
-        self._fd = -1
+        self._next_view_offset = 0 if rank is None else layout.cell_start(rank)
+        self._fds = [-1] * len(self.files)
+        self._created = [False] * len(self.files)
         self._mapping: mmap.mmap | None = None
         self._cleaned = False
 
@@ -127,10 +137,7 @@ class SharedOffloadRegion:
         self._dir_fd = safefile.open_directory(directory)
         try:
             self._open(attach_timeout, poll_interval)
-            self._mapping = mmap.mmap(
-                self._fd, self.layout.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
-            )
-            self.address = memory.mapping_address(self._mapping)
+            self._map()
             self.attach_seconds = time.monotonic() - started
             if populate is None:
                 populate = self.is_creator or not self.is_fully_allocated()
@@ -140,6 +147,13 @@ class SharedOffloadRegion:
             self.cleanup()
             raise
 
+    @property
+    def _fd(self) -> int:
+        return self._fds[0]
+
+    def _path(self, index: int) -> str:
+        return os.path.join(self.directory, self.files[index].name)
+
     # -- opening ---------------------------------------------------------------------------
 
     def _open(self, timeout: float, poll_interval: float) -> None:
@@ -148,9 +162,10 @@ class SharedOffloadRegion:
             if self.mode is not OpenMode.ATTACH:
                 fd = safefile.create_exclusive(self._dir_fd, self.file_name, self.file_mode)
                 if fd is not None:
-                    self._fd = fd
+                    self._fds[0] = fd
+                    self._created[0] = True
                     self.is_creator = True
-                    self._initialise_created_file()
+                    self._initialise_created_files()
                     return
                 if self.mode is OpenMode.CREATE:
                     raise FileExistsError(
@@ -159,7 +174,7 @@ class SharedOffloadRegion:
                         f"use mode 'attach' or 'create_or_attach', or another instance id",
                     )
             try:
-                self._fd = safefile.open_existing(self._dir_fd, self.file_name, self.mmap_path)
+                self._fds[0] = safefile.open_existing(self._dir_fd, self.file_name, self.mmap_path)
             except FileNotFoundError:
                 # attach: not created yet; create_or_attach: the creator gave up and removed it
                 self._sleep_or_timeout(deadline, poll_interval, "did not appear")
@@ -168,10 +183,11 @@ class SharedOffloadRegion:
                 self._dir_fd, self.file_name, self._fd
             ):
                 self._wait_for_size(deadline, poll_interval)
+                self._open_other_files()
                 return
             # the file was removed or replaced while we opened it: start over
             os.close(self._fd)
-            self._fd = -1
+            self._fds[0] = -1
             self._sleep_or_timeout(deadline, poll_interval, "was being replaced")
 
     def _sleep_or_timeout(self, deadline: float, poll_interval: float, what: str) -> None:
@@ -180,19 +196,19 @@ class SharedOffloadRegion:
                 f"region file {self.mmap_path} {what} in time. If the kvshm agent provides it, "
                 f"check that an OffloadRegion with instanceId {self.instance_id!r} is placed on "
                 f"this node and Ready (kubectl get offloadregions), and that its directory is "
-                f"mounted at {os.path.dirname(self.mmap_path)}."
+                f"mounted at {self.directory}."
             )
         time.sleep(poll_interval)
 
     def _hold_shared(self) -> bool:
-        """Take a shared flock: attached processes are visible to the agent as holders."""
+        """Take a shared flock on file 0: attached processes are visible to the agent."""
         try:
             fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return False  # the agent holds it exclusively only while it removes the file
+            return False  # the agent holds it exclusively only while it removes the region
         return True
 
-    def _initialise_created_file(self) -> None:
+    def _initialise_created_files(self) -> None:
         size = self.layout.size_bytes
         fcntl.flock(self._fd, fcntl.LOCK_SH)
         if self._owner is not None:
@@ -200,10 +216,20 @@ class SharedOffloadRegion:
         free = safefile.free_bytes(self._fd)
         if free < size:
             raise RegionSpaceError(self.mmap_path, size, free, "checked before creating it")
-        os.ftruncate(self._fd, size)
+        for index in range(1, len(self.files)):
+            fd = safefile.create_exclusive(self._dir_fd, self.files[index].name, self.file_mode)
+            if fd is None:
+                raise RegionFileExistsError(self._path(index), self.mmap_path)
+            self._fds[index] = fd
+            self._created[index] = True
+            if self._owner is not None:
+                os.fchown(fd, *self._owner)
+            os.ftruncate(fd, self.files[index].length)
+        # attachers wait for file 0 to reach its size, so it is sized last
+        os.ftruncate(self._fd, self.files[0].length)
 
     def _wait_for_size(self, deadline: float, poll_interval: float) -> None:
-        expected = self.layout.size_bytes
+        expected = self.files[0].length
         while True:
             actual = os.fstat(self._fd).st_size
             if actual == expected:
@@ -212,20 +238,63 @@ class SharedOffloadRegion:
                 raise RegionSizeMismatchError(self.mmap_path, actual, expected)
             self._sleep_or_timeout(deadline, poll_interval, f"did not reach {expected} bytes")
 
+    def _open_other_files(self) -> None:
+        """File 0 has its size, so its creator has made every other file: open and check them."""
+        for index in range(1, len(self.files)):
+            path, expected = self._path(index), self.files[index].length
+            try:
+                fd = safefile.open_existing(self._dir_fd, self.files[index].name, path)
+            except FileNotFoundError:
+                raise RegionFileMissingError(path, expected) from None
+            self._fds[index] = fd
+            actual = os.fstat(fd).st_size
+            if actual != expected:
+                raise RegionSizeMismatchError(path, actual, expected)
+
+    def _map(self) -> None:
+        """Map every file, back to back, as one range: one file is mapped directly; several
+        go into an address range reserved for them, each mapped over its part (MAP_FIXED)."""
+        size = self.layout.size_bytes
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        if len(self.files) == 1:
+            self._mapping = mmap.mmap(self._fd, size, mmap.MAP_SHARED, prot)
+            self.address = memory.mapping_address(self._mapping)
+            return
+        # the reservation is replaced at once: MAP_NORESERVE keeps it out of the commit charge
+        self._mapping = mmap.mmap(-1, size, mmap.MAP_PRIVATE | memory.MAP_NORESERVE, prot)
+        self.address = memory.mapping_address(self._mapping)
+        for file, fd in zip(self.files, self._fds, strict=True):
+            memory.map_file_at(self.address + file.offset, file.length, fd)
+
+    def mapped_files(self) -> list[MappedFile]:
+        """Each file's place in the mapping and its descriptor (valid until cleanup())."""
+        return [
+            MappedFile(file.offset, file.length, fd)
+            for file, fd in zip(self.files, self._fds, strict=True)
+        ]
+
     def keep_file(self) -> None:
-        """Leave the file in place at cleanup, even if this process created it."""
+        """Leave the files in place at cleanup, even if this process created them."""
         self._unlink_on_cleanup = False
 
     def fileno(self) -> int:
-        """The region file's descriptor, valid until cleanup(). The kvshm agent uses it to drop
-        its own shared flock, so that only other processes count as holders."""
+        """File 0's descriptor, valid until cleanup(). The kvshm agent uses it to drop its own
+        shared flock, so that only other processes count as holders."""
         return self._fd
+
+    def filenos(self) -> list[int]:
+        """Every file's descriptor, file 0 first, valid until cleanup()."""
+        return list(self._fds)
 
     # -- memory ----------------------------------------------------------------------------
 
+    def allocated_bytes(self) -> int:
+        """Bytes the filesystem holds for the region's files."""
+        return sum(os.fstat(fd).st_blocks * 512 for fd in self._fds)
+
     def is_fully_allocated(self) -> bool:
-        """Whether the filesystem holds every page of the file (so no access can SIGBUS)."""
-        return os.fstat(self._fd).st_blocks * 512 >= self.layout.size_bytes
+        """Whether the filesystem holds every page of the files (so no access can SIGBUS)."""
+        return self.allocated_bytes() >= self.layout.size_bytes
 
     def populate(self) -> None:
         """Allocate and map this process's part of the region: its rank's cells, or all."""
@@ -236,10 +305,14 @@ class SharedOffloadRegion:
             ranges = self.layout.rank_ranges(self.rank, memory.PAGE_SIZE)
         populator = Populator(
             self.address,
-            self._fd,
+            self.mapped_files(),
             threads=self._populate_threads,
             method=self._populate_method,
             progress=self._progress,
+            # as vLLM does: each worker starts on a different file
+            first_file=0
+            if self.rank is None
+            else self.rank * len(self.files) // self.layout.num_workers,
         )
         started = time.monotonic()
         try:
@@ -256,7 +329,10 @@ class SharedOffloadRegion:
 
     def _map_all_pages(self) -> None:
         Populator(
-            self.address, self._fd, threads=self._populate_threads, method=self._populate_method
+            self.address,
+            self.mapped_files(),
+            threads=self._populate_threads,
+            method=self._populate_method,
         ).populate([(0, self.layout.size_bytes)])
 
     def resident_bytes(self) -> int:
@@ -336,7 +412,7 @@ class SharedOffloadRegion:
             raise RegionError("create_next_view needs a rank: open the region with rank=<worker>")
         if tensor_page_size < 1:
             raise InvalidLayoutError(f"tensor_page_size must be at least 1, got {tensor_page_size}")
-        cell_end = (self.rank + 1) * self.layout.cpu_page_size
+        cell_end = self.layout.cell_start(self.rank) + self.layout.cpu_page_size
         end = self._next_view_offset + tensor_page_size
         if end > cell_end:
             raise InvalidLayoutError(
@@ -368,7 +444,7 @@ class SharedOffloadRegion:
         return self.is_creator if unlink is None else unlink and self.is_creator
 
     def cleanup(self) -> None:
-        """Release everything this process holds; the creator also removes the file. Idempotent."""
+        """Release everything this process holds; the creator also removes its files. Idempotent."""
         if self._cleaned:
             return
         self._cleaned = True
@@ -393,19 +469,26 @@ class SharedOffloadRegion:
             except (BufferError, OSError) as exc:
                 log.warning("could not unmap %s (views still in use?): %s", self.mmap_path, exc)
             self._mapping = None
-        if self._fd >= 0:
-            if self._will_unlink() and safefile.is_same_file(
-                self._dir_fd, self.file_name, self._fd
-            ):
-                try:
-                    os.unlink(self.file_name, dir_fd=self._dir_fd)
-                except OSError as exc:
-                    log.warning("could not remove %s: %s", self.mmap_path, exc)
-            os.close(self._fd)
-            self._fd = -1
+        self._close_files()
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
+
+    def _close_files(self) -> None:
+        """Close every file; a creator removing its files removes each only while the name
+        still names the file it created (file 0 first, so no new attacher starts meanwhile)."""
+        unlink = self._will_unlink()
+        for index, fd in enumerate(self._fds):
+            if fd < 0:
+                continue
+            name = self.files[index].name
+            if unlink and self._created[index] and safefile.is_same_file(self._dir_fd, name, fd):
+                try:
+                    os.unlink(name, dir_fd=self._dir_fd)
+                except OSError as exc:
+                    log.warning("could not remove %s: %s", self._path(index), exc)
+            os.close(fd)
+            self._fds[index] = -1
 
     def __enter__(self) -> SharedOffloadRegion:
         return self
