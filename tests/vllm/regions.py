@@ -10,24 +10,34 @@ from typing import Any
 import torch
 
 from kvshm.agent.holders import HoldChecker
-from kvshm.region import SharedOffloadRegion, region_file_name
+from kvshm.region import (
+    RegionFormat,
+    RegionLayout,
+    SharedOffloadRegion,
+    region_file_name,
+    segment_file_name,
+)
 from kvshm.region.shared_region import OpenMode
 
 
 def agent_region(
-    directory: str, instance_id: str, num_blocks: int, cpu_page_size: int, num_workers: int
+    directory: str,
+    instance_id: str,
+    num_blocks: int,
+    cpu_page_size: int,
+    num_workers: int,
+    *,
+    replicated: bool = False,
+    populate: bool = True,
 ) -> str:
-    """Create, populate and let go of a region file, leaving it in place (the agent keeps its
-    own mapping but drops its flock, so only serving processes count as holders)."""
+    """Create (populated unless told not to: sparse) and let go of a vllm-0.33 region, leaving
+    its files in place (the agent keeps its own mapping but drops its flock, so only serving
+    processes count as holders). Returns file 0's path."""
+    layout = RegionLayout(
+        num_blocks, cpu_page_size, num_workers, RegionFormat.VLLM_0_33, replicated=replicated
+    )
     region = SharedOffloadRegion(
-        instance_id,
-        num_blocks * cpu_page_size * num_workers,
-        num_blocks,
-        None,
-        num_workers,
-        cpu_page_size,
-        directory=directory,
-        mode=OpenMode.CREATE,
+        instance_id, layout, directory=directory, mode=OpenMode.CREATE, populate=populate
     )
     region.keep_file()
     path = region.mmap_path
@@ -52,9 +62,14 @@ def vllm_views(
     kv_bytes_per_chunk: int,
     cpu_page_size: int,
     tensor_pages: list[int],
+    *,
+    sparse: bool = False,
 ) -> Iterator[list[torch.Tensor]]:
-    """vLLM 0.33's own SharedOffloadRegion, joining the existing file in /dev/shm as its
-    CPUOffloadingSpec would (num_segments=32), and its worker views, one per tensor."""
+    """vLLM 0.33's own SharedOffloadRegion, joining the existing files in /dev/shm as its
+    CPUOffloadingSpec would (num_segments=32), and its worker views, one per tensor.
+
+    sparse: vLLM prefaults only one row's share (its populate_shard with a share per row), so
+    a large sparse region stays sparse."""
     from vllm.v1.kv_offload.cpu.shared_offload_region import (
         SharedOffloadRegion as VllmRegion,
     )
@@ -66,6 +81,7 @@ def vllm_views(
         kv_bytes_per_chunk=kv_bytes_per_chunk,
         cpu_page_size=cpu_page_size,
         num_segments=32,
+        populate_shard=(0, num_chunks) if sparse else None,
     )
     assert not region._creator, "vLLM created the file: the agent's region was not there"
     views = [region.create_next_worker_view(page) for page in tensor_pages]
@@ -78,3 +94,12 @@ def vllm_views(
 
 def region_file(directory: str, instance_id: str) -> str:
     return os.path.join(directory, region_file_name(instance_id))
+
+
+def remove_region(directory: str, instance_id: str) -> None:
+    """Remove every file of the region, as the agent does once nothing holds it."""
+    for index in range(32):
+        path = os.path.join(directory, segment_file_name(instance_id, index))
+        if not os.path.lexists(path):
+            return
+        os.unlink(path)

@@ -153,9 +153,12 @@ def test_a_region_of_another_geometry_is_refused_naming_both(engine: Engine) -> 
         message = str(caught.value)
         for part in (
             f"vLLM computed a CPU offload region of {NUM_CHUNKS} rows x {CPU_PAGE} bytes",
-            f"{path} is {2 * NUM_CHUNKS * CPU_PAGE} bytes ({2 * NUM_CHUNKS} rows",
+            f"keeps in 1 file (vllm_offload_{engine.engine_id}.mmap)",
+            f"{path} is {2 * NUM_CHUNKS * CPU_PAGE} bytes where vLLM expects "
+            f"{NUM_CHUNKS * CPU_PAGE} ({2 * NUM_CHUNKS} rows",
             f"OffloadRegion with instanceId {engine.engine_id!r}",
-            f"numBlocks: {NUM_CHUNKS}, cpuPageSize: {CPU_PAGE}, numWorkers: 1",
+            f"format: vllm-0.33, numBlocks: {NUM_CHUNKS}, cpuPageSize: {CPU_PAGE}, "
+            "numWorkers: 1, replicated: false",
         ):
             assert part in message, message
         assert not is_held(path)
@@ -199,7 +202,7 @@ def test_replicated_layout_every_rank_uses_the_one_copy(engine: Engine) -> None:
         own.cpu_page_size_per_worker,
     )
     assert geometry.copies == 1 and geometry.row_stride == CPU_PAGE
-    path = agent_region(SHM, engine.engine_id, geometry.num_chunks, CPU_PAGE, 1)
+    path = agent_region(SHM, engine.engine_id, geometry.num_chunks, CPU_PAGE, 2, replicated=True)
     try:
         kv = canonical_kv_caches(KvLayout("tiny", TINY_LAYERS, TINY_PAGE), GPU_BLOCKS, "cpu")
         worker = spec.get_worker(kv)  # rank 1

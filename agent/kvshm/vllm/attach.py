@@ -1,14 +1,21 @@
 """Attaching the agent's region for one worker: attach-only, checked against vLLM's geometry.
 
 Everything the plugin knows about region files goes through attach_region, so a change of
-kvshm.region's API (region formats, segmented files) is a change here only.
+kvshm.region's API is a change here only.
 """
 
 from __future__ import annotations
 
 import os
 
-from kvshm.region import RegionError, RegionSizeMismatchError, SharedOffloadRegion
+from kvshm.region import (
+    RegionError,
+    RegionFileMissingError,
+    RegionSizeMismatchError,
+    SharedOffloadRegion,
+    segment_file_name,
+)
+from kvshm.region.naming import MAX_SEGMENT_INDEX
 from kvshm.region.shared_region import OpenMode
 from kvshm.vllm.geometry import RegionGeometry
 
@@ -17,13 +24,27 @@ class RegionGeometryMismatch(RegionError):
     """The agent's region does not have the geometry vLLM computed for this engine."""
 
 
-def _mismatch(path: str, instance_id: str, expected: RegionGeometry, found: str) -> str:
+def _mismatch(instance_id: str, expected: RegionGeometry, found: str) -> str:
+    layout = expected.region_layout()
+    names = ", ".join(f.name for f in layout.files(instance_id))
     return (
         f"vLLM computed a CPU offload region of {expected.describe()} for engine "
-        f"{instance_id!r}, but the kvshm region {path} {found}. The OffloadRegion with "
-        f"instanceId {instance_id!r} must have {expected.offload_region_layout()} (see "
+        f"{instance_id!r}, which vLLM 0.33 keeps in {layout.file_count} file"
+        f"{'' if layout.file_count == 1 else 's'} ({names}), but {found}. The OffloadRegion "
+        f"with instanceId {instance_id!r} must have {expected.offload_region_layout()} (see "
         f"'kvshm layout'), or change cpu_bytes_to_use/blocks_per_chunk in "
         f"kv_connector_extra_config to match the region."
+    )
+
+
+def _found(exc: RegionSizeMismatchError, expected: RegionGeometry) -> str:
+    if isinstance(exc, RegionFileMissingError):
+        return f"the kvshm region file {exc.path} is missing (the region has fewer files)"
+    rows, rest = divmod(exc.actual_bytes, expected.row_stride)
+    return (
+        f"the kvshm region file {exc.path} is {exc.actual_bytes} bytes where vLLM expects "
+        f"{exc.expected_bytes}"
+        + (f" ({rows} rows of {expected.row_stride} bytes)" if not rest else "")
     )
 
 
@@ -34,38 +55,33 @@ def attach_region(
     rank: int,
     attach_timeout_s: float,
 ) -> SharedOffloadRegion:
-    """Map the agent's region `<directory>/vllm_offload_<instance_id>.mmap` for worker `rank`.
+    """Map the agent's region (its files in `directory`, split as vLLM 0.33 splits them) for
+    worker `rank`.
 
-    Never creates, truncates, populates or removes the file; waits up to attach_timeout_s for
-    it to appear. The returned region holds a shared flock on the file (the agent counts it as
-    a holder) until cleanup().
+    Never creates, truncates, populates or removes a file; waits up to attach_timeout_s for the
+    region to appear. The returned region holds a shared flock on file 0 (the agent counts it
+    as a holder) until cleanup().
     """
-    path = os.path.join(directory, f"vllm_offload_{instance_id}.mmap")
     if expected.num_chunks < 1:
         raise RegionGeometryMismatch(
             f"vLLM computed no CPU offload chunks for engine {instance_id!r} (cpu_bytes_to_use "
             f"is below one row of {expected.row_stride} bytes): raise cpu_bytes_to_use"
         )
-    if expected.is_padded:
-        # this kvshm.region lays rows out unpadded; padded rows come with the region formats
+    layout = expected.region_layout()
+    if layout.row_stride != expected.row_stride:
         raise RegionGeometryMismatch(
             _mismatch(
-                path,
                 instance_id,
                 expected,
-                f"cannot be checked: vLLM pads each row of {expected.cpu_page_size} x "
-                f"{expected.copies} bytes to {expected.row_stride}, and this kvshm version "
-                f"attaches unpadded rows only",
+                f"kvshm lays that layout out in rows of {layout.row_stride} bytes, not vLLM's "
+                f"{expected.row_stride}: this kvshm version does not match this vLLM version",
             )
         )
     try:
-        return SharedOffloadRegion(
+        region = SharedOffloadRegion(
             instance_id,
-            expected.size_bytes,
-            expected.num_chunks,
-            expected.cell_rank(rank),
-            expected.copies,
-            expected.cpu_page_size,
+            layout,
+            rank,
             directory=directory,
             mode=OpenMode.ATTACH,
             attach_timeout=attach_timeout_s,
@@ -73,8 +89,19 @@ def attach_region(
             unlink_on_cleanup=False,
         )
     except RegionSizeMismatchError as exc:
-        rows, rest = divmod(exc.actual_bytes, expected.row_stride)
-        found = f"is {exc.actual_bytes} bytes" + (
-            f" ({rows} rows of {expected.row_stride} bytes)" if not rest else ""
-        )
-        raise RegionGeometryMismatch(_mismatch(path, instance_id, expected, found)) from exc
+        found = _found(exc, expected)
+        raise RegionGeometryMismatch(_mismatch(instance_id, expected, found)) from exc
+    # a region of more files whose first ones happen to match is another geometry too
+    if layout.file_count <= MAX_SEGMENT_INDEX:
+        _refuse_extra_file(region, directory, instance_id, expected)
+    return region
+
+
+def _refuse_extra_file(
+    region: SharedOffloadRegion, directory: str, instance_id: str, expected: RegionGeometry
+) -> None:
+    extra = os.path.join(directory, segment_file_name(instance_id, region.layout.file_count))
+    if os.path.lexists(extra):
+        region.cleanup()
+        found = f"the kvshm region has more files ({extra} too)"
+        raise RegionGeometryMismatch(_mismatch(instance_id, expected, found))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvshm.region import RegionFormat, RegionLayout
+
 
 @dataclass(frozen=True)
 class RegionGeometry:
@@ -26,12 +28,15 @@ class RegionGeometry:
     def size_bytes(self) -> int:
         return self.num_chunks * self.row_stride
 
-    @property
-    def is_padded(self) -> bool:
-        return self.row_stride != self.cpu_page_size * self.copies
-
-    def cell_rank(self, rank: int) -> int:
-        return 0 if self.replicated else rank
+    def region_layout(self) -> RegionLayout:
+        """kvshm's layout of this region: vLLM 0.33's format (padded rows, split files)."""
+        return RegionLayout(
+            self.num_chunks,
+            self.cpu_page_size,
+            self.num_workers,
+            format=RegionFormat.VLLM_0_33,
+            replicated=self.replicated,
+        )
 
     def describe(self) -> str:
         return (
