@@ -51,3 +51,30 @@ def test_pin_mmap_region_is_idempotent_and_cleanup_unregisters(shm_dir: Path) ->
     again = SharedOffloadRegion("gpu2", LAYOUT, directory=str(shm_dir))
     assert pin_mmap_region(again)
     again.cleanup()
+
+
+def test_a_worker_registers_only_its_cells_where_that_pays(shm_dir: Path) -> None:
+    """4 MiB cells of 2 workers: rank 1 registers its cells (half of each row), its views copy
+    by DMA; a replicated layout registers whole rows."""
+    cell = 4 * 1024**2
+    layout = RegionLayout(8, cell, 2)
+    with SharedOffloadRegion("cells", layout, directory=str(shm_dir)) as agent:
+        worker = SharedOffloadRegion("cells", layout, 1, directory=str(shm_dir))
+        assert worker.pin(cells_only=True)
+        assert worker.pinned_bytes == 8 * cell
+        view = worker.create_next_view(cell)
+        assert view.is_pinned()
+        whole = torch.frombuffer(agent.create_kv_memoryview(), dtype=torch.int8)
+        assert not whole[: layout.row_stride].is_pinned()  # rank 0's cells stay pageable
+        source = torch.randint(-128, 128, view.shape, dtype=torch.int8, device="cuda")
+        view.copy_(source, non_blocking=True)
+        back = torch.empty_like(source)
+        back.copy_(view, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(back, source)
+        del view, whole
+        worker.cleanup()
+    replicated = RegionLayout(8, cell, 2, replicated=True)
+    with SharedOffloadRegion("shared", replicated, 1, directory=str(shm_dir)) as region:
+        assert region.pin(cells_only=True)
+        assert region.pinned_bytes == replicated.size_bytes
