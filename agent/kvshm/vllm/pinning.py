@@ -1,8 +1,10 @@
-"""Registering the region with CUDA off the engine's start-up path.
+"""Registering the worker's part of the region with CUDA off the engine's start-up path.
 
-cudaHostRegister takes about a second per 16 GiB. The worker starts it in a thread when it is
-created and the first transfer waits for it (no copy touches the region unregistered), so the
-engine's other start-up work (model load, CUDA graphs) hides it.
+cudaHostRegister takes about a second per 16 GiB; a worker registers only its own cells where
+that pays (SharedOffloadRegion.pin(cells_only=True)), as vLLM registers its slots. The worker
+starts it in a thread when it is created and the first transfer waits for it (no copy touches
+the region unregistered), so the engine's other start-up work (model load, CUDA graphs) hides
+it.
 """
 
 from __future__ import annotations
@@ -35,15 +37,17 @@ class BackgroundPin:
         try:
             # registration belongs to the current device's context: make it the worker's GPU
             torch.cuda.set_device(self._device)
-            self.pinned = self._region.pin()
+            self.pinned = self._region.pin(cells_only=True)
         except BaseException as exc:  # re-raised in the engine's thread by wait()
             self._error = exc
         self.pin_seconds = time.perf_counter() - started
         log.info(
-            "kvshm: region %s %s in %.2f s",
+            "kvshm: region %s %s in %.2f s (%d of its %d bytes)",
             self._region.mmap_path,
             "registered with CUDA" if self.pinned else "not registered",
             self.pin_seconds,
+            self._region.pinned_bytes,
+            self._region.layout.size_bytes,
         )
 
     def wait(self) -> None:
