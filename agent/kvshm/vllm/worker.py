@@ -145,6 +145,10 @@ class KvshmOffloadingWorker(OffloadingWorker):
     def pin(self) -> BackgroundPin | None:
         return self._pin
 
+    @property
+    def drain_listener(self) -> DrainListener | None:
+        return self._listener
+
     def handler_backends(self) -> dict[str, list[str]]:
         """The copy backends each handler may choose from (after the first transfer)."""
         names = ("store", "load", "expedited_load")
