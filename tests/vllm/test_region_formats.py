@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvshm.vllm.attach import RegionGeometryMismatch
 from tests.vllm.checks import assert_region_matches_gpu, finish
 from tests.vllm.conftest import Engine
 from tests.vllm.engine import BLOCKS_PER_CHUNK, GPU_BLOCKS, offloading_spec
@@ -114,3 +115,40 @@ def test_segmented_sparse_region_over_two_files(engine: Engine, cleanup_region: 
     store_check_load(spec, layout, 0, chunks, sparse=True)
     allocated = sum(os.stat(os.path.join(SHM, f.name)).st_blocks * 512 for f in files)
     assert allocated < 64 * 1024**2, f"{allocated} bytes allocated: the region was populated"
+
+
+def test_a_segmented_region_missing_a_file_is_refused_naming_it(
+    engine: Engine, cleanup_region: None
+) -> None:
+    layout = KvLayout("tiny", 4, 8192)
+    spec = spec_for(engine, layout, 5 * GIB // 2, world_size=1, rank=0)
+    geometry = spec.region_geometry
+    path = agent_region(
+        SHM, engine.engine_id, geometry.num_chunks, geometry.cpu_page_size, 1, populate=False
+    )
+    os.unlink(path + ".1")
+    with pytest.raises(RegionGeometryMismatch) as caught:
+        spec.get_worker(canonical_kv_caches(layout, GPU_BLOCKS, "cpu"))
+    message = str(caught.value)
+    for part in (
+        f"keeps in 2 files (vllm_offload_{engine.engine_id}.mmap, "
+        f"vllm_offload_{engine.engine_id}.mmap.1)",
+        f"the kvshm region file {path}.1 is missing",
+        f"format: vllm-0.33, numBlocks: {geometry.num_chunks}",
+    ):
+        assert part in message, message
+    assert not is_held(path) and not os.path.exists(path + ".1")  # nothing created
+
+
+def test_a_region_with_a_file_vllm_would_not_map_is_refused(
+    engine: Engine, cleanup_region: None
+) -> None:
+    spec = offloading_spec(engine.config, GPU_BLOCKS)
+    geometry = spec.region_geometry
+    path = agent_region(SHM, engine.engine_id, geometry.num_chunks, geometry.cpu_page_size, 1)
+    with open(path + ".1", "wb") as extra:
+        extra.truncate(4096)
+    with pytest.raises(RegionGeometryMismatch, match=r"has more files \(.*\.mmap\.1 too\)"):
+        spec.get_worker(canonical_kv_caches(KvLayout("tiny", 4, 8192), GPU_BLOCKS, "cpu"))
+    assert not is_held(path)
+    assert os.path.getsize(path + ".1") == 4096
