@@ -174,6 +174,10 @@ def test_registration_ranges_are_a_workers_cells_only_where_a_row_leaves_out_eno
     small = RegionLayout(num_blocks=4, cpu_page_size=448 * 1024, num_workers=2)
     assert not small.registers_cells_alone(1, 4096)
     assert small.registration_ranges(1, 4096, 64 * 1024**3) == [(0, small.size_bytes)]
+    # 2 MiB left out a row: about even on an H100, so whole rows
+    assert not RegionLayout(
+        num_blocks=4, cpu_page_size=2 * mib, num_workers=2
+    ).registers_cells_alone(1, 4096)
     # replicated: every worker uses the one copy, so the whole row
     shared = RegionLayout(num_blocks=4, cpu_page_size=4 * mib, num_workers=4, replicated=True)
     assert not shared.registers_cells_alone(3, 4096)

@@ -13,11 +13,12 @@ MAX_REGION_BYTES = 2**63 - 1  # off_t and Kubernetes' int64 both stop here
 ROW_ALIGNMENT = 4096  # vLLM pads rows to its BLOCK_SIZE_ALIGNMENT, the x86-64 page size
 MAX_SEGMENTS = 32  # vLLM 0.33's CPUOffloadingSpec asks for this many files
 MIN_SEGMENT_BYTES = 1 << 30  # vLLM 0.33 gives no file less than 1 GiB
-# Registering a worker's cells alone costs a CUDA call (and a prefault) per row: worth it only
-# when each row leaves out enough. Measured on an H100 host (docs/benchmarks.md, 16 GiB,
-# prefault + register): a call costs about what 0.5 MiB fewer bytes save; cells alone took 0.33x
-# the whole region's time leaving out 3.75 MiB a row, 0.67x at 2 MiB, 1.5x at 448 KiB.
-MIN_UNREGISTERED_BYTES_PER_ROW = 1 << 20
+# Registering a worker's cells alone costs a CUDA call and a prefault per row: worth it only
+# when each row leaves out enough. Measured with pin() on an H100 host (docs/benchmarks.md,
+# 16 GiB): a row costs about what 1.6 MiB fewer bytes save; cells alone took 0.41x the whole
+# region's time leaving out 3.75 MiB a row, 0.94x at 2 MiB, 2.3x at 448 KiB. vLLM 0.33 uses the
+# same 3 MiB for its slots.
+MIN_UNREGISTERED_BYTES_PER_ROW = 3 << 20
 
 
 class RegionFormat(StrEnum):
