@@ -480,10 +480,17 @@ def main() -> None:
         row = bench_layout(layout, args, compute)
         print_layout(row, peak)
         rows.append(row)
+    start = bench_start(args.start_gib) if args.start_gib > 0 else None
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"link": peak, "vllm_dma": dma, "layouts": rows, "problems": problems},
+                {
+                    "link": peak,
+                    "vllm_dma": dma,
+                    "layouts": rows,
+                    "start": start,
+                    "problems": problems,
+                },
                 indent=2,
                 default=str,
             )
