@@ -158,3 +158,41 @@ def test_row_aligned_chunks_end_on_rows_and_cover_everything() -> None:
     assert sum(length for _, length in chunks) == layout.size_bytes
     # a row larger than the limit still gets a piece of its own
     assert layout.row_aligned_chunks(max_chunk_bytes=100)[0] == (0, 3000)
+
+
+def test_registration_ranges_are_a_workers_cells_only_where_a_row_leaves_out_enough() -> None:
+    mib = 1024**2
+    # 70B at TP 4: 1.25 MiB cells, 5 MiB rows: rank 2 registers its cells, one piece a row
+    layout = RegionLayout(num_blocks=3, cpu_page_size=1280 * 1024, num_workers=4)
+    assert layout.registers_cells_alone(2, 4096)
+    cell = 1280 * 1024
+    assert layout.registration_ranges(2, 4096, 64 * 1024**3) == [
+        (row * 5 * mib + 2 * cell, cell) for row in range(3)
+    ]
+    # no rank, or too little left out per row (448 KiB cells of 2 workers): whole rows
+    assert layout.registration_ranges(None, 4096, 64 * 1024**3) == [(0, 15 * mib)]
+    small = RegionLayout(num_blocks=4, cpu_page_size=448 * 1024, num_workers=2)
+    assert not small.registers_cells_alone(1, 4096)
+    assert small.registration_ranges(1, 4096, 64 * 1024**3) == [(0, small.size_bytes)]
+    # 2 MiB left out a row: about even on an H100, so whole rows
+    assert not RegionLayout(
+        num_blocks=4, cpu_page_size=2 * mib, num_workers=2
+    ).registers_cells_alone(1, 4096)
+    # replicated: every worker uses the one copy, so the whole row
+    shared = RegionLayout(num_blocks=4, cpu_page_size=4 * mib, num_workers=4, replicated=True)
+    assert not shared.registers_cells_alone(3, 4096)
+
+
+def test_a_cell_starting_mid_page_is_widened_to_whole_pages() -> None:
+    # 3 workers of 3 MiB + 1000 bytes: rank 1's cell starts 1000 bytes into a page
+    cell = 3 * 1024**2 + 1000
+    layout = RegionLayout(num_blocks=2, cpu_page_size=cell, num_workers=3)
+    offset, length = layout.cell_pages(1, 4096)
+    assert offset == cell - cell % 4096 and (offset + length) % 4096 == 0
+    assert offset + length >= 2 * cell and length < 2 * 4096 + cell
+    assert layout.registers_cells_alone(1, 4096)
+    ranges = layout.registration_ranges(1, 4096, 64 * 1024**3)
+    assert ranges[1][0] == layout.row_stride + offset
+    # unpadded rows that are not whole pages: a page could hold two rows' cells, so whole rows
+    unpadded = RegionLayout(num_blocks=2, cpu_page_size=cell, num_workers=3, format=UNPADDED)
+    assert not unpadded.registers_cells_alone(1, 4096)

@@ -97,3 +97,36 @@ def test_segmented_region_pins_across_files_and_dma_lands_in_each_file(shm_dir: 
         del view
         worker.cleanup()
     assert not any((shm_dir / f.name).exists() for f in files)
+
+
+def test_a_worker_registers_only_its_cells_where_that_pays(shm_dir: Path) -> None:
+    """4 MiB cells of 2 workers: rank 1 registers its cells (half of each row) and the bytes of
+    its views round-trip; a replicated layout registers whole rows."""
+    from kvshm.transfer.backends.cuda_driver import CudaDriver
+
+    driver = CudaDriver()
+    cell = 4 * 1024**2
+    layout = RegionLayout(8, cell, 2)
+    with SharedOffloadRegion("cells", layout, directory=str(shm_dir)):
+        worker = SharedOffloadRegion("cells", layout, 1, directory=str(shm_dir))
+        assert worker.pin(cells_only=True)
+        assert worker.pinned_bytes == 8 * cell
+        for block in range(8):
+            first = worker.address + layout.cell_offset(block, 1)
+            for address in (first, first + cell - 1):
+                assert driver.device_pointer(address) == address, f"block {block} not registered"
+            # rank 0's cell of the row stays pageable
+            assert driver.device_pointer(worker.address + layout.cell_offset(block, 0)) is None
+        view = worker.create_next_view(cell)
+        source = torch.randint(-128, 128, view.shape, dtype=torch.int8, device="cuda")
+        view.copy_(source)
+        back = torch.empty_like(source)
+        back.copy_(view)
+        torch.cuda.synchronize()
+        assert torch.equal(back, source)
+        del view
+        worker.cleanup()
+    replicated = RegionLayout(8, cell, 2, replicated=True)
+    with SharedOffloadRegion("shared", replicated, 1, directory=str(shm_dir)) as region:
+        assert region.pin(cells_only=True)
+        assert region.pinned_bytes == replicated.size_bytes

@@ -35,8 +35,8 @@ def build(**overrides: Any) -> SingleDirectionOffloadingHandler:
     arguments: dict[str, Any] = dict(
         gpu_tensors=gpu,
         cpu_tensors=cpu,
-        block_size_factor=2,
-        kv_cache_groups_data_refs=REFS,
+        blocks_per_chunk=2,
+        layer_refs_per_group=REFS,
         gpu_to_cpu=True,
     )
     arguments.update(overrides)
@@ -60,13 +60,13 @@ def int8(*shape: int, device: str = "cpu") -> torch.Tensor:
             {"gpu_tensors": [int8(16, 32), int8(16, 32, device="meta")]},
             "all GPU tensors must be on one device",
         ),
-        ({"block_size_factor": 4}, "need 128"),
-        ({"block_size_factor": 0}, "block_size_factor must be >= 1"),
-        ({"block_size_factor": 2.0}, "block_size_factor must be an integer"),
-        ({"kv_cache_groups_data_refs": []}, "must list, per KV-cache group"),
-        ({"kv_cache_groups_data_refs": [[CanonicalKVCacheRef(2, 32)]]}, "refers to tensor 2"),
-        ({"kv_cache_groups_data_refs": [[CanonicalKVCacheRef(0, 33)]]}, "must be in (0, 32]"),
-        ({"kv_cache_groups_data_refs": [[CanonicalKVCacheRef(0, 0)]]}, "must be in (0, 32]"),
+        ({"blocks_per_chunk": 4}, "need 128"),
+        ({"blocks_per_chunk": 0}, "blocks_per_chunk must be >= 1"),
+        ({"blocks_per_chunk": 2.0}, "blocks_per_chunk must be an integer"),
+        ({"layer_refs_per_group": []}, "must list, per KV-cache group"),
+        ({"layer_refs_per_group": [[CanonicalKVCacheRef(2, 32)]]}, "refers to tensor 2"),
+        ({"layer_refs_per_group": [[CanonicalKVCacheRef(0, 33)]]}, "must be in (0, 32]"),
+        ({"layer_refs_per_group": [[CanonicalKVCacheRef(0, 0)]]}, "must be in (0, 32]"),
     ],
 )
 def test_bad_tensors_and_refs(overrides: dict[str, Any], message: str) -> None:
@@ -75,7 +75,7 @@ def test_bad_tensors_and_refs(overrides: dict[str, Any], message: str) -> None:
 
 
 def test_refs_may_be_plain_tuples() -> None:
-    handler = build(kv_cache_groups_data_refs=[[(0, 32)], [(1, 16)]])
+    handler = build(layer_refs_per_group=[[(0, 32)], [(1, 16)]])
     assert handler.kv_cache_groups_data_refs[1] == [CanonicalKVCacheRef(1, 16)]
     handler.shutdown()
 
@@ -97,7 +97,7 @@ def gpu(ids: list[int], sizes: list[int], starts: list[int]) -> GPULoadStoreSpec
         ("not a pair", "a transfer spec is a (source spec, destination spec) pair"),
         (
             (CPULoadStoreSpec([0]), gpu([0], [1, 0], [0, 0])),
-            "takes (GPULoadStoreSpec, CPULoadStoreSpec), got (CPULoadStoreSpec",
+            "got (CPULoadStoreSpec, GPULoadStoreSpec)",
         ),
         ((gpu([0], [1], [0]), CPULoadStoreSpec([0])), "2 KV-cache groups but the GPU spec gives 1"),
         ((gpu([0], [1, -1], [0, 0]), CPULoadStoreSpec([0])), "must be >= 0"),

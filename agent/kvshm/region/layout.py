@@ -13,6 +13,12 @@ MAX_REGION_BYTES = 2**63 - 1  # off_t and Kubernetes' int64 both stop here
 ROW_ALIGNMENT = 4096  # vLLM pads rows to its BLOCK_SIZE_ALIGNMENT, the x86-64 page size
 MAX_SEGMENTS = 32  # vLLM 0.33's CPUOffloadingSpec asks for this many files
 MIN_SEGMENT_BYTES = 1 << 30  # vLLM 0.33 gives no file less than 1 GiB
+# Registering a worker's cells alone costs a CUDA call and a prefault per row: worth it only
+# when each row leaves out enough. Measured with pin() on an H100 host (docs/benchmarks.md,
+# 16 GiB): a row costs about what 1.6 MiB fewer bytes save; cells alone took 0.41x the whole
+# region's time leaving out 3.75 MiB a row, 0.94x at 2 MiB, 2.3x at 448 KiB. vLLM 0.33 uses the
+# same 3 MiB for its slots.
+MIN_UNREGISTERED_BYTES_PER_ROW = 3 << 20
 
 
 class RegionFormat(StrEnum):
@@ -127,6 +133,33 @@ class RegionLayout:
             else:
                 ranges.append((aligned, end - aligned))
         return ranges
+
+    def cell_pages(self, rank: int, page_size: int) -> tuple[int, int]:
+        """(offset in the row, length) of worker `rank`'s cell widened out to whole pages."""
+        start = self.cell_start(rank)
+        first = start - start % page_size
+        return first, -(-(start + self.cpu_page_size) // page_size) * page_size - first
+
+    def registers_cells_alone(self, rank: int, page_size: int) -> bool:
+        """Whether worker `rank` should register only its cells with CUDA rather than whole
+        rows: not when every worker maps the one shared copy (replicated), not when a page can
+        hold two rows' cells (rows not whole pages: registrations must not overlap), and not
+        when a row would leave out less than MIN_UNREGISTERED_BYTES_PER_ROW."""
+        if self.replicated or self.row_stride % page_size:
+            return False
+        _, length = self.cell_pages(rank, page_size)
+        return self.row_stride - length >= MIN_UNREGISTERED_BYTES_PER_ROW
+
+    def registration_ranges(
+        self, rank: int | None, page_size: int, max_chunk_bytes: int
+    ) -> list[tuple[int, int]]:
+        """(offset, length) pieces to register with CUDA for worker `rank` (None: the whole
+        region): its cells widened to pages, one piece per row, when registers_cells_alone
+        says so; else row_aligned_chunks. No piece splits a cell."""
+        if rank is None or not self.registers_cells_alone(rank, page_size):
+            return self.row_aligned_chunks(max_chunk_bytes)
+        offset, length = self.cell_pages(rank, page_size)
+        return [(row * self.row_stride + offset, length) for row in range(self.num_blocks)]
 
     def row_aligned_chunks(self, max_chunk_bytes: int) -> list[tuple[int, int]]:
         """(offset, length) pieces of the whole region, each at most max_chunk_bytes (or one

@@ -1,4 +1,9 @@
-"""SingleDirectionOffloadingHandler: vLLM's in-order transfer handler for one direction."""
+"""SingleDirectionOffloadingHandler: vLLM 0.33's in-order transfer handler for one direction.
+
+Its constructor and transfer_async take vLLM 0.33's arguments (blocks_per_chunk,
+layer_refs_per_group, transfer_async(job_id, src_spec, dst_spec)) and vLLM's own spec objects;
+the 0.20-style transfer_async(job_id, (src_spec, dst_spec)) is still accepted.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,11 @@ import torch
 
 from kvshm.transfer.backends.factory import build_backends
 from kvshm.transfer.chooser import BackendChooser, BackendPolicy, override_from_env
-from kvshm.transfer.errors import HandlerClosedError, InvalidTransferSpecError
+from kvshm.transfer.errors import (
+    HandlerClosedError,
+    InvalidTensorsError,
+    InvalidTransferSpecError,
+)
 from kvshm.transfer.metrics import Direction, TransferMetrics
 from kvshm.transfer.options import TransferOptions
 from kvshm.transfer.plan import JobPlanner
@@ -72,31 +81,48 @@ def _timeline_for(device: torch.device, options: TransferOptions) -> Timeline:
 class SingleDirectionOffloadingHandler:
     """Moves KV blocks one way (GPU->CPU or CPU->GPU) between matching tensor lists.
 
-    Jobs run in submission order, each after the previous one finished; a GPU->CPU job also
-    waits for the work queued on the caller's current stream. With CPU tensors as the "GPU"
-    tensors the handler runs on the CPU backend (for tests without a GPU).
+    Jobs run in submission order, each after the previous one finished; every job also waits
+    for the work queued on the caller's current stream at submission (as in vLLM 0.33). With
+    CPU tensors as the "GPU" tensors the handler runs on the CPU backend (for tests without a
+    GPU).
 
     backend forces one backend ("dma", "kernel" or "cpu"; default: $KVSHM_TRANSFER_BACKEND,
     else chosen per job by block size and direction).
+
+    The arguments are vLLM 0.33's: a CPU tensor's block holds blocks_per_chunk GPU blocks, and
+    layer_refs_per_group lists per KV-cache group the (tensor_idx, page_size_bytes) it copies
+    (vLLM's CanonicalKVCacheRef or kvshm's). canonical_layout (vLLM's per-layer canonical host
+    pages) is refused; host_memory_is_pinned is accepted for vLLM's signature only: kvshm
+    checks the CPU tensors' registration itself.
     """
 
     def __init__(
         self,
         gpu_tensors: Sequence[torch.Tensor],
         cpu_tensors: Sequence[torch.Tensor],
-        block_size_factor: int,
-        kv_cache_groups_data_refs: Sequence[Sequence[CanonicalKVCacheRef]],
+        blocks_per_chunk: int,
+        layer_refs_per_group: Sequence[Sequence[CanonicalKVCacheRef]],
         gpu_to_cpu: bool,
+        canonical_layout: bool = False,
+        host_memory_is_pinned: bool = True,
         *,
         backend: str | None = None,
         options: TransferOptions | None = None,
         policy: BackendPolicy | None = None,
     ) -> None:
+        if canonical_layout:
+            raise InvalidTensorsError(
+                "kvshm copies whole pages per worker (vLLM's direct layout); vLLM's "
+                "canonical_layout is not supported: remove canonical_layout from "
+                "kv_connector_extra_config"
+            )
+        block_size_factor = blocks_per_chunk
         pairs = check_tensors(gpu_tensors, cpu_tensors, block_size_factor)
         # the planner works with addresses: these references keep the memory behind them alive
         self.gpu_tensors = list(gpu_tensors)
         self.cpu_tensors = list(cpu_tensors)
-        self.kv_cache_groups_data_refs = check_group_refs(kv_cache_groups_data_refs, pairs)
+        self.blocks_per_chunk = block_size_factor
+        self.kv_cache_groups_data_refs = check_group_refs(layer_refs_per_group, pairs)
         self.gpu_to_cpu = bool(gpu_to_cpu)
         self.direction = Direction.GPU_TO_CPU if self.gpu_to_cpu else Direction.CPU_TO_GPU
         self.transfer_type = (GPU_MEDIUM, CPU_MEDIUM) if gpu_to_cpu else (CPU_MEDIUM, GPU_MEDIUM)
@@ -126,10 +152,14 @@ class SingleDirectionOffloadingHandler:
         """Names of the backends this handler may choose from."""
         return self._chooser.names
 
-    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+    def transfer_async(self, job_id: int, src_spec: object, dst_spec: object | None = None) -> bool:
         """Queue a job and return True; a copy that fails later is reported by get_finished
         as success=False. A spec that does not describe a valid transfer raises
-        InvalidTransferSpecError and queues nothing."""
+        InvalidTransferSpecError and queues nothing.
+
+        vLLM 0.33 calls transfer_async(job_id, src_spec, dst_spec); the 0.20 form
+        transfer_async(job_id, (src_spec, dst_spec)) is the same job."""
+        spec: TransferSpec | object = src_spec if dst_spec is None else (src_spec, dst_spec)
         if self._closed:
             raise HandlerClosedError(f"job {job_id}: the handler was shut down")
         if job_id in self._pending:
@@ -139,8 +169,11 @@ class SingleDirectionOffloadingHandler:
         batch = self._planner.plan(spec)
         backend = self._chooser.choose(batch)
         after = None
-        if self.gpu_to_cpu and self.device.type == "cuda":
-            after = torch.cuda.current_stream(self.device)  # the compute the store must follow
+        if self.device.type == "cuda":
+            # a store must follow the compute that wrote its blocks; a load must follow writes
+            # queued to its destination blocks (vLLM 0.33 zeroes freshly allocated blocks on the
+            # compute stream, and with async scheduling nothing else orders that before the load)
+            after = torch.cuda.current_stream(self.device)
         work = partial(backend.copy, batch, after=after)
         ticket = self._timeline.launch(work, after)
         job = _Job(job_id, ticket, batch.total_bytes, backend.name)
@@ -174,6 +207,11 @@ class SingleDirectionOffloadingHandler:
             job = self._pending.get(job_id)
             if job is not None:
                 job.ticket.synchronize()
+
+    def wait_all(self) -> None:
+        """Block until every job in flight is done; their results stay for get_finished."""
+        for job in list(self._jobs):
+            job.ticket.synchronize()
 
     def shutdown(self) -> None:
         """Wait for every job and release streams, events and threads. Idempotent."""

@@ -22,11 +22,29 @@ from kvshm.transfer.pointers import (
     check_ids_in_range,
     fill_sub_block_ptrs,
 )
-from kvshm.transfer.specs import (
-    CanonicalKVCacheRef,
-    CPULoadStoreSpec,
-    GPULoadStoreSpec,
-)
+from kvshm.transfer.specs import BlockIds, CanonicalKVCacheRef, as_block_ids
+
+
+@dataclass(frozen=True)
+class GpuSide:
+    """A job's GPU spec, read from kvshm's or vLLM's GPULoadStoreSpec."""
+
+    block_ids: BlockIds
+    group_sizes: tuple[int, ...]
+    block_indices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CpuSide:
+    block_ids: BlockIds
+
+
+def _is_block_ids(spec: object) -> bool:
+    return hasattr(spec, "block_ids")
+
+
+def _is_gpu_side(spec: object) -> bool:
+    return _is_block_ids(spec) and hasattr(spec, "group_sizes") and hasattr(spec, "block_indices")
 
 
 @dataclass(frozen=True)
@@ -141,26 +159,29 @@ class JobPlanner:
             at += refs * n
         return batch.with_total(total)
 
-    def _unpack(self, spec: object) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
+    def _unpack(self, spec: object) -> tuple[GpuSide, CpuSide]:
         if not isinstance(spec, tuple) or len(spec) != 2:
             raise InvalidTransferSpecError(
                 f"a transfer spec is a (source spec, destination spec) pair, got {spec!r}"
             )
         src, dst = spec
         gpu, cpu = (src, dst) if self._gpu_to_cpu else (dst, src)
-        if not isinstance(gpu, GPULoadStoreSpec) or not isinstance(cpu, CPULoadStoreSpec):
-            want = "(GPULoadStoreSpec, CPULoadStoreSpec)"
-            if not self._gpu_to_cpu:
-                want = "(CPULoadStoreSpec, GPULoadStoreSpec)"
+        # kvshm's spec classes or vLLM's (GPULoadStoreSpec, CPULoadStoreSpec): by their fields
+        if not _is_gpu_side(gpu) or not _is_block_ids(cpu) or _is_gpu_side(cpu):
+            want = "(GPU spec, CPU spec)" if self._gpu_to_cpu else "(CPU spec, GPU spec)"
             raise InvalidTransferSpecError(
                 f"this handler moves {'GPU->CPU' if self._gpu_to_cpu else 'CPU->GPU'} and takes "
-                f"{want}, got ({type(src).__name__}, {type(dst).__name__})"
+                f"{want} (a GPU spec has block_ids, group_sizes and block_indices; a CPU spec "
+                f"block_ids only), got ({type(src).__name__}, {type(dst).__name__})"
             )
-        return gpu, cpu
+        gpu_side = GpuSide(
+            as_block_ids(gpu.block_ids, "GPU"),
+            tuple(int(size) for size in gpu.group_sizes),
+            tuple(int(index) for index in gpu.block_indices),
+        )
+        return gpu_side, CpuSide(as_block_ids(cpu.block_ids, "CPU"))
 
-    def _slice_groups(
-        self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec
-    ) -> list[GroupSlice]:
+    def _slice_groups(self, gpu_spec: GpuSide, cpu_spec: CpuSide) -> list[GroupSlice]:
         groups = len(self._groups)
         sizes, starts = gpu_spec.group_sizes, gpu_spec.block_indices
         if len(sizes) != groups or len(starts) != groups:

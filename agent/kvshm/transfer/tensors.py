@@ -68,11 +68,9 @@ def check_tensors(
     block_size_factor: int,
 ) -> TensorPairs:
     if isinstance(block_size_factor, bool) or not isinstance(block_size_factor, int):
-        raise InvalidTensorsError(
-            f"block_size_factor must be an integer, got {block_size_factor!r}"
-        )
+        raise InvalidTensorsError(f"blocks_per_chunk must be an integer, got {block_size_factor!r}")
     if block_size_factor < 1:
-        raise InvalidTensorsError(f"block_size_factor must be >= 1, got {block_size_factor}")
+        raise InvalidTensorsError(f"blocks_per_chunk must be >= 1, got {block_size_factor}")
     device = check_gpu_tensors(gpu_tensors)
     if not isinstance(cpu_tensors, Sequence) or len(cpu_tensors) != len(gpu_tensors):
         given = len(cpu_tensors) if isinstance(cpu_tensors, Sequence) else cpu_tensors
@@ -90,7 +88,7 @@ def check_tensors(
         if cpu_tensor.shape[1] != gpu_tensor.shape[1] * block_size_factor:
             raise InvalidTensorsError(
                 f"cpu_tensors[{i}] has {cpu_tensor.shape[1]}-byte blocks but GPU blocks of "
-                f"{gpu_tensor.shape[1]} bytes x block_size_factor {block_size_factor} need "
+                f"{gpu_tensor.shape[1]} bytes x blocks_per_chunk {block_size_factor} need "
                 f"{gpu_tensor.shape[1] * block_size_factor}"
             )
         try:
@@ -107,7 +105,7 @@ def check_group_refs(
     """Per group, its (tensor index, page size) references, checked against the tensors."""
     if not isinstance(group_refs, Sequence) or len(group_refs) == 0:
         raise InvalidTensorsError(
-            "kv_cache_groups_data_refs must list, per KV-cache group, the tensors it uses"
+            "layer_refs_per_group must list, per KV-cache group, the tensors it uses"
         )
     checked: list[list[CanonicalKVCacheRef]] = []
     for g, refs in enumerate(group_refs):

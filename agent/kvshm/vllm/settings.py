@@ -1,0 +1,88 @@
+"""The plugin's own keys in kv_connector_extra_config, read and checked once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvshm.region import validate_instance_id
+from kvshm.region.shared_region import DEFAULT_ATTACH_TIMEOUT_SECONDS, DEFAULT_DIRECTORY
+from kvshm.transfer.chooser import BACKEND_NAMES
+
+REGION_DIR_KEY = "kvshm_region_dir"
+INSTANCE_ID_KEY = "kvshm_instance_id"
+ATTACH_TIMEOUT_KEY = "kvshm_attach_timeout_s"
+BACKEND_KEY = "kvshm_backend"
+PIN_KEY = "kvshm_pin"
+CALIBRATE_KEY = "kvshm_calibrate"
+CACHE_DIR_KEY = "kvshm_cache_dir"
+
+
+class PluginConfigError(ValueError):
+    """A kvshm key in kv_connector_extra_config has a value the plugin cannot use."""
+
+
+def _flag(value: object, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise PluginConfigError(f"{key} must be true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    region_dir: str
+    """Directory holding the agent's region file (the pod's mount of the region directory)."""
+    instance_id: str
+    """The region's instanceId: vLLM's engine_id unless kvshm_instance_id is given."""
+    attach_timeout_s: float
+    backend: str | None
+    """Force one kvshm copy backend (dma, kernel, staged); None chooses per job."""
+    pin: bool
+    """Register the region with CUDA (in the background; the first transfer waits for it)."""
+    calibrate: bool = False
+    """Choose each direction's backend by measuring on this host (kvshm.vllm.calibration)."""
+    cache_dir: str | None = None
+    """Where the measured choices are kept (default ~/.cache/kvshm)."""
+
+    @classmethod
+    def from_extra_config(
+        cls, extra: Mapping[str, Any], engine_id: str, dp_index: int, dp_size: int
+    ) -> PluginSettings:
+        region_dir = str(extra.get(REGION_DIR_KEY, DEFAULT_DIRECTORY))
+        if not region_dir.startswith("/"):
+            raise PluginConfigError(
+                f"{REGION_DIR_KEY} must be an absolute path, got {region_dir!r}"
+            )
+        given = extra.get(INSTANCE_ID_KEY)
+        if given is None:
+            instance_id = engine_id  # vLLM already appended _dp<rank> under data parallelism
+        else:
+            # the same rule vLLM applies to engine_id, so one setting serves every DP engine
+            instance_id = f"{given}_dp{dp_index}" if dp_size > 1 else str(given)
+        try:
+            validate_instance_id(instance_id)
+        except ValueError as exc:
+            raise PluginConfigError(f"region instance id: {exc}") from exc
+        try:
+            timeout = float(extra.get(ATTACH_TIMEOUT_KEY, DEFAULT_ATTACH_TIMEOUT_SECONDS))
+        except (TypeError, ValueError) as exc:
+            raise PluginConfigError(f"{ATTACH_TIMEOUT_KEY} must be a number of seconds") from exc
+        if not timeout >= 0:
+            raise PluginConfigError(f"{ATTACH_TIMEOUT_KEY} must be >= 0, got {timeout}")
+        backend = extra.get(BACKEND_KEY)
+        if backend not in (None, "", "auto", *BACKEND_NAMES):
+            raise PluginConfigError(
+                f"{BACKEND_KEY} must be one of auto, {', '.join(BACKEND_NAMES)}; got {backend!r}"
+            )
+        return cls(
+            region_dir=region_dir,
+            instance_id=instance_id,
+            attach_timeout_s=timeout,
+            backend=None if backend in (None, "", "auto") else str(backend),
+            pin=_flag(extra.get(PIN_KEY, True), PIN_KEY),
+            calibrate=_flag(extra.get(CALIBRATE_KEY, False), CALIBRATE_KEY),
+            cache_dir=None if extra.get(CACHE_DIR_KEY) is None else str(extra[CACHE_DIR_KEY]),
+        )

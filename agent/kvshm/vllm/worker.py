@@ -1,0 +1,246 @@
+"""KvshmOffloadingWorker: vLLM 0.33's OffloadingWorker over the agent's region, with kvshm's
+transfer handlers (one for stores, one for loads, one for expedited loads)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+from kvshm.region import SharedOffloadRegion
+from kvshm.transfer import SingleDirectionOffloadingHandler
+from kvshm.vllm.calibration import ChoiceCache, choose
+from kvshm.vllm.events import Drain, DrainListener
+from kvshm.vllm.pinning import BackgroundPin
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+log = logging.getLogger(__name__)
+
+
+class RegionDrainedError(RuntimeError):
+    """The agent drained the region: this engine can no longer offload to it."""
+
+
+class KvshmOffloadingWorker(OffloadingWorker):
+    """Stores, loads and expedited loads between the GPU KV cache and this worker's cells.
+
+    The CPU side is one view of the region per canonical KV tensor, of that tensor's page x
+    blocks_per_chunk bytes, back to back in the worker's cell (vLLM's own layout). Handlers are
+    built at the first transfer, after the background CUDA registration finished, so the
+    copy kernel may read the registered region.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        region: SharedOffloadRegion,
+        blocks_per_chunk: int,
+        *,
+        region_dir: str,
+        instance_id: str,
+        pin: bool = True,
+        backend: str | None = None,
+        listen_for_drain: bool = True,
+        calibration: ChoiceCache | None = None,
+        stores: bool = True,
+    ) -> None:
+        """calibration: measure (or read from that cache) each direction's backend at the first
+        transfer, unless `backend` forces one. stores: False for a rank that never stores
+        (vLLM's replicated layout, ranks other than 0), which then measures loads only."""
+        started = time.perf_counter()
+        self.region = region
+        self.instance_id = instance_id
+        self.blocks_per_chunk = blocks_per_chunk
+        self._refs = kv_caches.group_data_refs
+        self._backend = backend
+        self._calibration = calibration if backend is None else None
+        self._stores = stores
+        self.num_chunks = region.layout.num_blocks
+        self.chosen_backends: dict[str, str] = {}
+        self.gpu_tensors = [
+            t.tensor.view(torch.int8).view(-1, t.page_size_bytes) for t in kv_caches.tensors
+        ]
+        self.cpu_tensors = [
+            region.create_next_view(t.page_size_bytes * blocks_per_chunk) for t in kv_caches.tensors
+        ]
+        device = self.gpu_tensors[0].device
+        self._pin = BackgroundPin(region, device) if pin and device.type == "cuda" else None
+        self._handlers: list[SingleDirectionOffloadingHandler] | None = None
+        self._lock = threading.Lock()
+        self._drain: Drain | None = None
+        self._drained_results: list[TransferResult] = []
+        self._closed = False
+        self._listener = (
+            DrainListener(region_dir, instance_id, self._on_drain) if listen_for_drain else None
+        )
+        self.create_seconds = time.perf_counter() - started
+        """How long building the worker blocked the engine (registration runs on after it)."""
+        self.first_transfer_wait_seconds: float | None = None
+        """How long the first transfer waited for the CUDA registration to finish."""
+
+    # -- handlers ------------------------------------------------------------------------
+
+    def _ready(self) -> list[SingleDirectionOffloadingHandler]:
+        if self._drain is not None:
+            raise RegionDrainedError(
+                f"the kvshm agent drained region {self._drain.region} (instance "
+                f"{self.instance_id}): {self._drain.reason or 'no reason given'}. vLLM 0.33 "
+                f"cannot drop its CPU offload tier while running, so this engine must be "
+                f"restarted; it attaches again once the region is Ready."
+            )
+        if self._closed:
+            raise RegionDrainedError(f"the kvshm worker of {self.instance_id} was shut down")
+        if self._handlers is None:
+            if self._pin is not None:
+                self._pin.wait()
+                self.first_transfer_wait_seconds = self._pin.wait_seconds
+                log.info(
+                    "kvshm: first transfer waited %.3f s for the region's CUDA registration",
+                    self.first_transfer_wait_seconds,
+                )
+
+            if self._calibration is not None:
+                self.chosen_backends = choose(
+                    self._make_handler,
+                    self.gpu_tensors,
+                    self.num_chunks,
+                    len(self._refs),
+                    self.blocks_per_chunk,
+                    self._calibration,
+                    measure_stores=self._stores,
+                )
+
+            def handler(gpu_to_cpu: bool) -> SingleDirectionOffloadingHandler:
+                name = "store" if gpu_to_cpu else "load"
+                backend = self.chosen_backends.get(name, self._backend)
+                return self._make_handler(gpu_to_cpu, backend, self.gpu_tensors)
+
+            # store, load, and expedited load on its own stream: it must not queue behind loads
+            self._handlers = [handler(True), handler(False), handler(False)]
+        return self._handlers
+
+    def _make_handler(
+        self, gpu_to_cpu: bool, backend: str | None, gpu_tensors: Sequence[torch.Tensor]
+    ) -> SingleDirectionOffloadingHandler:
+        return SingleDirectionOffloadingHandler(
+            gpu_tensors,
+            self.cpu_tensors,
+            self.blocks_per_chunk,
+            self._refs,
+            gpu_to_cpu,
+            backend=backend,
+        )
+
+    @property
+    def pin(self) -> BackgroundPin | None:
+        return self._pin
+
+    @property
+    def drain_listener(self) -> DrainListener | None:
+        return self._listener
+
+    def handler_backends(self) -> dict[str, list[str]]:
+        """The copy backends each handler may choose from (after the first transfer)."""
+        names = ("store", "load", "expedited_load")
+        return {n: h.backends for n, h in zip(names, self._handlers or [], strict=False)}
+
+    # -- vLLM 0.33's OffloadingWorker ----------------------------------------------------
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        with self._lock:
+            return self._ready()[0].transfer_async(job_id, src_spec, dst_spec)
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        with self._lock:
+            handler = self._ready()[2 if expedited else 1]
+            return handler.transfer_async(job_id, src_spec, dst_spec)
+
+    def get_finished(self) -> list[TransferResult]:
+        with self._lock:
+            results, self._drained_results = self._drained_results, []
+            for handler in self._handlers or []:
+                results.extend(self._as_vllm(handler.get_finished()))
+            return results
+
+    @staticmethod
+    def _as_vllm(results: Iterable[object]) -> list[TransferResult]:
+        return [
+            TransferResult(
+                job_id=r.job_id,  # type: ignore[attr-defined]
+                success=r.success,  # type: ignore[attr-defined]
+                transfer_size=r.transfer_size,  # type: ignore[attr-defined]
+                transfer_time=r.transfer_time,  # type: ignore[attr-defined]
+            )
+            for r in results
+        ]
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self._lock:
+            for handler in self._handlers or []:
+                handler.wait(job_ids)
+
+    def shutdown(self) -> None:
+        """Finish every job in flight, then release the region (the file stays). Idempotent."""
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            self._release()
+
+    # -- draining ------------------------------------------------------------------------
+
+    def _on_drain(self, event: Drain) -> None:
+        """The agent is taking the region away: stop taking jobs, finish those in flight (their
+        results still reach vLLM), and release the region so the agent sees no holder."""
+        log.warning(
+            "kvshm: region %s is being drained (%s); finishing %s and releasing it before %s",
+            event.region,
+            event.reason,
+            "the transfers in flight",
+            time.strftime("%H:%M:%S", time.gmtime(event.deadline)),
+        )
+        with self._lock, self._on_worker_device():
+            self._drain = event
+            for handler in self._handlers or []:
+                handler.wait_all()
+                self._drained_results.extend(self._as_vllm(handler.get_finished()))
+            self._release()
+
+    def _on_worker_device(self) -> AbstractContextManager[object]:
+        """This thread's CUDA calls on the worker's GPU: on another device the runtime would
+        create a context there, and the region's unregistration belongs to this one."""
+        device = self.gpu_tensors[0].device
+        return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+    def _release(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for handler in self._handlers or []:
+            handler.shutdown()
+        self._handlers = None  # their CPU views must go before the region is unmapped
+        if self._pin is not None:
+            self._pin.wait_quietly()
+        self.cpu_tensors.clear()
+        self.region.cleanup()
+
+    @property
+    def drained(self) -> Drain | None:
+        return self._drain

@@ -1,0 +1,504 @@
+"""GB/s of the kvshm vLLM plugin's worker against the link and vLLM 0.33's own worker, on the
+KV layouts vLLM 0.33 builds for real models (issue 14):
+  Llama-3.1-8B TP1 (32 layers, 32 KiB K/V pages), Qwen2.5-7B TP1 (28 layers, 16 KiB),
+  Llama-3.1-70B TP4 rank 0 (80 layers, 8 KiB; a 4-worker region), and 2 MiB blocks.
+For each: H2D (loads), D2H (stores) and both at once, jobs of --job-blocks blocks with random
+block ids on both sides, every GPU block once per pass (about --gib GiB per direction):
+  (a) the link: one 1 GiB pinned copy one way; both ways the best of a pair of 1 GiB copies and
+      8 / 32 MiB pieces interleaved on two streams;
+  (b) vLLM 0.33's own CPUOffloadingWorker from the installed wheel (its handlers, its Triton
+      kernel for small-page loads; its DMA call, a C++ op, re-stated with the same single
+      cuMemcpyBatchAsync when vllm._C cannot load here: the output says which);
+  (c) kvshm's plugin worker (kvshm.vllm.worker) end to end on an agent-made region;
+and beside (b) and (c), how many times as long bf16 4096x4096 matrix products take (the same
+bytes move in both, so a smaller factor is less slowdown per GB moved). Also what building each
+worker blocks, the plugin's background CUDA registration, and how long its first transfer waited.
+
+Then engine start at TP 4 (rank 0) on a 64 GiB region (--start-gib): what vLLM's own worker
+blocks against the plugin's, the plugin's background registration and its first store's wait.
+
+Run on a GPU machine from the repository root, vLLM 0.33.0's wheel installed with --no-deps and
+the few pure-Python packages its worker modules import (docs/vllm-plugin.md):
+    PYTHONPATH=agent:operator python3 bench/vllm/run.py [--layouts a,b] [--json FILE]
+Exits non-zero if anything could not be measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO / "bench" / "transfer"), str(REPO)]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from bench_transfer import GIB, MIB, Compute, beside_compute, gbps, link_peak, wall  # noqa: E402
+from tests.vllm.layouts import REAL_LAYOUTS, KvLayout, canonical_kv_caches  # noqa: E402
+from tests.vllm.regions import agent_region  # noqa: E402
+
+from kvshm.vllm.attach import attach_region  # noqa: E402
+from kvshm.vllm.geometry import RegionGeometry  # noqa: E402
+from kvshm.vllm.worker import KvshmOffloadingWorker  # noqa: E402
+
+SHM = "/dev/shm"
+DIRECTIONS = ("H2D", "D2H", "both")
+problems: list[str] = []
+
+
+def problem(message: str) -> None:
+    problems.append(message)
+    print(f"!! {message}", flush=True)
+
+
+# -- (a) the link ------------------------------------------------------------------------------
+
+
+def pieces_both_ways(piece: int, reps: int) -> float:
+    """GB/s both ways at once: 1 GiB each way in `piece`-byte copies, alternating between an
+    H2D and a D2H stream."""
+    host = [torch.empty(GIB, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    device = [torch.empty(GIB, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    host[0].fill_(7)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def issue() -> None:
+        for start in range(0, GIB, piece):
+            with torch.cuda.stream(streams[0]):
+                device[0][start : start + piece].copy_(host[0][start : start + piece], True)
+            with torch.cuda.stream(streams[1]):
+                host[1][start : start + piece].copy_(device[1][start : start + piece], True)
+
+    wall(issue)
+    return gbps(2 * GIB, statistics.median(wall(issue) for _ in range(reps)))
+
+
+def link(reps: int) -> dict[str, Any]:
+    one = link_peak(reps)
+    both = {
+        "pair of 1 GiB copies": one["both"],
+        "8 MiB pieces interleaved on two streams": pieces_both_ways(8 * MIB, reps),
+        "32 MiB pieces interleaved on two streams": pieces_both_ways(32 * MIB, reps),
+    }
+    best = max(both, key=lambda k: both[k])
+    return {
+        "H2D": one["H2D"],
+        "D2H": one["D2H"],
+        "both": both[best],
+        "both_methods": both,
+        "both_best": best,
+    }
+
+
+# -- vLLM's own worker -------------------------------------------------------------------------
+
+
+def vllm_platform_note() -> str:
+    """vLLM's worker code asks vllm.platforms.current_platform for streams and pinning. Its
+    CUDA platform module loads a compiled extension; where that cannot load here, give vLLM's
+    code the minimal CUDA platform it needs (streams from torch.cuda, pinned memory on)."""
+    import vllm.platforms as platforms
+
+    try:
+        platform = platforms.current_platform
+        if platform.is_cuda():
+            return "vLLM's own CUDA platform"
+        reason = f"vLLM resolved its platform to {type(platform).__name__}"
+    except Exception as exc:
+        reason = f"vllm.platforms.cuda did not load ({exc!r})"
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    class MinimalCuda(Platform):  # type: ignore[misc]
+        _enum = PlatformEnum.CUDA
+        device_name = "cuda"
+        device_type = "cuda"  # Stream, stream, current_stream: torch.cuda's
+        dist_backend = "nccl"
+
+        @classmethod
+        def is_pin_memory_available(cls) -> bool:
+            return True
+
+    platforms._current_platform = MinimalCuda()
+    return f"{reason}: vLLM's worker code runs on a minimal CUDA platform object"
+
+
+def vllm_dma_note() -> str:
+    """Use vLLM's compiled DMA op if it loads, else re-state it: one cuMemcpyBatchAsync per
+    job over all its copies, source order STREAM (ANY for loads), no hints, no flags."""
+    from vllm import _custom_ops as ops
+
+    try:
+        torch.ops._C_cache_ops.swap_blocks_batch  # noqa: B018
+        return "vLLM's compiled swap_blocks_batch (vllm._C)"
+    except (AttributeError, RuntimeError):
+        pass
+    from kvshm.transfer.backends.cuda_driver import (
+        CU_MEMCPY_SRC_ACCESS_ORDER_ANY,
+        CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        CUmemcpyAttributes,
+        CUmemLocation,
+        cuda_driver,
+    )
+
+    driver = cuda_driver()
+
+    def swap_blocks_batch(
+        src_ptrs: torch.Tensor,
+        dst_ptrs: torch.Tensor,
+        sizes: torch.Tensor,
+        is_src_access_order_any: bool = False,
+    ) -> None:
+        n = sizes.numel()
+        if n == 0:
+            return
+        stream = torch.cuda.current_stream().cuda_stream
+        if not driver.has_batch:  # vLLM's fallback below CUDA 12.8: one copy per call
+            for s, d, z in zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist(), strict=True):
+                driver.check("cuMemcpyAsync", driver.memcpy(d, s, z, stream))
+            return
+        order = (
+            CU_MEMCPY_SRC_ACCESS_ORDER_ANY
+            if is_src_access_order_any
+            else (CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+        )
+        attributes = CUmemcpyAttributes(order, CUmemLocation(0, 0), CUmemLocation(0, 0), 0)
+        code = driver.memcpy_batch(
+            dst_ptrs.data_ptr(), src_ptrs.data_ptr(), sizes.data_ptr(), n, attributes, stream
+        )
+        driver.check("cuMemcpyBatchAsync", code)
+
+    ops.swap_blocks_batch = swap_blocks_batch
+    return "vllm._C not loadable: its swap_blocks_batch re-stated (one cuMemcpyBatchAsync/job)"
+
+
+@dataclass
+class Built:
+    worker: Any
+    blocking_seconds: float
+    close: Callable[[], None]
+    notes: dict[str, Any]
+
+
+def build_vllm(kv: Any, chunks: int, cell: int, workers: int) -> Built:
+    from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    started = time.perf_counter()
+    region = SharedOffloadRegion(
+        engine_id=f"kvshm-bench-vllm-{uuid.uuid4().hex[:8]}",
+        num_chunks=chunks,
+        rank=0,
+        kv_bytes_per_chunk=cell * workers,
+        cpu_page_size=cell,
+        num_segments=32,
+    )
+    worker = CPUOffloadingWorker(
+        kv_caches=kv, blocks_per_chunk=1, num_cpu_chunks=chunks, mmap_region=region
+    )
+    seconds = time.perf_counter() - started
+    return Built(worker, seconds, worker.shutdown, {"pinned": region.is_pinned})
+
+
+CALIBRATE: list[Any] = []  # a ChoiceCache when --calibrate asks (c) to measure its backends
+
+
+def build_plugin(kv: Any, chunks: int, cell: int, workers: int) -> Built:
+    instance_id = f"kvshm-bench-plugin-{uuid.uuid4().hex[:8]}"
+    path = agent_region(SHM, instance_id, chunks, cell, workers)  # the agent's work, beforehand
+    started = time.perf_counter()
+    geometry = RegionGeometry(chunks, cell * workers, cell, workers, False)
+    region = attach_region(SHM, instance_id, geometry, 0, 5.0)
+    worker = KvshmOffloadingWorker(
+        kv,
+        region,
+        1,
+        region_dir=SHM,
+        instance_id=instance_id,
+        listen_for_drain=False,
+        calibration=CALIBRATE[0] if CALIBRATE else None,
+    )
+    seconds = time.perf_counter() - started
+
+    def close() -> None:
+        worker.shutdown()
+        Path(path).unlink(missing_ok=True)
+
+    return Built(worker, seconds, close, {})
+
+
+# -- jobs --------------------------------------------------------------------------------------
+
+
+def job_specs(gpu_ids: np.ndarray, cpu_ids: np.ndarray, per_job: int) -> list[tuple[Any, Any]]:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    return [
+        (
+            GPULoadStoreSpec(
+                gpu_ids[i : i + per_job].tolist(), [len(gpu_ids[i : i + per_job])], [0]
+            ),
+            CPULoadStoreSpec(cpu_ids[i : i + per_job].tolist()),
+        )
+        for i in range(0, len(gpu_ids), per_job)
+    ]
+
+
+_job_ids: Iterator[int] = iter(range(1, 1 << 62))
+
+
+def issue_and_wait(worker: Any, stores: list[Any], loads: list[Any]) -> None:
+    """Submit the stores and loads (interleaved) and wait until get_finished reported all."""
+    ids: set[int] = set()
+    for i in range(max(len(stores), len(loads))):
+        if i < len(stores):
+            ids.add(job_id := next(_job_ids))
+            assert worker.submit_store(job_id, *stores[i])
+        if i < len(loads):
+            ids.add(job_id := next(_job_ids))
+            gpu, cpu = loads[i]
+            assert worker.submit_load(job_id, cpu, gpu)
+    worker.wait(ids)
+    while ids:
+        for result in worker.get_finished():
+            assert result.success, f"job {result.job_id} failed"
+            ids.discard(result.job_id)
+
+
+@dataclass
+class Plan:
+    nbytes: dict[str, int]
+    jobs: dict[str, tuple[list[Any], list[Any]]]
+
+
+def plan(layout: KvLayout, blocks: int, per_job: int, seed: int) -> Plan:
+    rng = np.random.default_rng(seed)
+    gpu, cpu = rng.permutation(blocks), rng.permutation(blocks)
+    half = blocks // 2
+    every = job_specs(gpu, cpu, per_job)
+    stores = job_specs(gpu[:half], cpu[:half], per_job)
+    loads = job_specs(gpu[half:], cpu[half:], per_job)
+    per_block = layout.worker_bytes_per_block
+    return Plan(
+        {"H2D": blocks * per_block, "D2H": blocks * per_block, "both": blocks * per_block},
+        {"H2D": ([], every), "D2H": (every, []), "both": (stores, loads)},
+    )
+
+
+def measure(built: Built, jobs: Plan, compute: Compute, reps: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for direction in DIRECTIONS:
+        stores, loads = jobs.jobs[direction]
+
+        def run(stores: list[Any] = stores, loads: list[Any] = loads) -> None:
+            issue_and_wait(built.worker, stores, loads)
+
+        nbytes = jobs.nbytes[direction]
+        wall(run)  # warm-up
+        seconds = statistics.median(wall(run) for _ in range(reps))
+        rate_beside, slowed = beside_compute(compute, nbytes, run, reps)
+        out[direction] = {
+            "GBps": gbps(nbytes, seconds),
+            "GBps_beside": rate_beside,
+            "matmul_slowdown": slowed,
+        }
+    return out
+
+
+def blocks_for(layout: KvLayout, gib: float, workers: int) -> int:
+    return max(64, int(gib * GIB / layout.worker_bytes_per_block))
+
+
+def bench_layout(layout: KvLayout, args: argparse.Namespace, compute: Compute) -> dict[str, Any]:
+    workers = 4 if "tp4" in layout.name else 1
+    blocks = blocks_for(layout, args.gib, workers)
+    cell = layout.worker_bytes_per_block
+    kv = canonical_kv_caches(layout, blocks, "cuda")
+    jobs = plan(layout, blocks, args.job_blocks, seed=len(layout.name))
+    row: dict[str, Any] = {
+        "layout": layout.name,
+        "blocks": blocks,
+        "workers": workers,
+        "region_bytes": blocks * cell * workers,
+    }
+    for name, build in (("vllm", build_vllm), ("plugin", build_plugin)):
+        try:
+            built = build(kv, blocks, cell, workers)
+        except Exception as exc:
+            problem(f"{layout.name}: could not build the {name} worker: {exc!r}")
+            continue
+        try:
+            row[f"{name}_blocking_s"] = built.blocking_seconds
+            if name == "plugin":
+                first = time.perf_counter()
+                issue_and_wait(built.worker, jobs.jobs["D2H"][0][:1], [])
+                row["plugin_first_transfer_s"] = time.perf_counter() - first
+                row["plugin_first_transfer_waited_s"] = built.worker.first_transfer_wait_seconds
+                pin = built.worker.pin
+                row["plugin_registration_s"] = pin.pin_seconds if pin else None
+                row["plugin_pinned"] = bool(pin and pin.pinned)
+                row["plugin_backends"] = built.worker.handler_backends()
+                row["plugin_calibrated"] = built.worker.chosen_backends
+            else:
+                row["vllm_pinned"] = built.notes["pinned"]
+            row[name] = measure(built, jobs, compute, args.reps)
+        except Exception as exc:
+            problem(f"{layout.name}: measuring the {name} worker failed: {exc!r}")
+        finally:
+            built.close()
+    del kv
+    torch.cuda.empty_cache()
+    return row
+
+
+def bench_start(gib: float) -> dict[str, Any]:
+    """Engine start at TP 4 on a region of about `gib` GiB, as rank 0: what building vLLM's own
+    worker (its region: create, populate its cells, register) blocks, against the plugin's
+    attach (registration in the background), and how long the plugin's first store waited."""
+    layout = REAL_LAYOUTS[2]  # Llama-3.1-70B TP4 rank 0
+    workers, cell = 4, layout.worker_bytes_per_block
+    chunks = int(gib * GIB // (cell * workers))
+    kv = canonical_kv_caches(layout, 64, "cuda")
+    row: dict[str, Any] = {"region_bytes": chunks * cell * workers}
+    for name, build in (("vllm", build_vllm), ("plugin", build_plugin)):
+        built = build(kv, chunks, cell, workers)
+        try:
+            row[f"{name}_blocking_s"] = built.blocking_seconds
+            if name == "plugin":
+                job = job_specs(np.arange(16), np.arange(16), 16)
+                first = time.perf_counter()
+                issue_and_wait(built.worker, job, [])
+                row["plugin_first_store_s"] = time.perf_counter() - first
+                row["plugin_first_transfer_waited_s"] = built.worker.first_transfer_wait_seconds
+                row["plugin_registration_s"] = built.worker.pin.pin_seconds
+        finally:
+            built.close()
+    row["blocking_ratio"] = row["vllm_blocking_s"] / row["plugin_blocking_s"]
+    print(
+        f"\n== start, TP 4 rank 0, region {row['region_bytes'] / GIB:.1f} GiB: vLLM's own "
+        f"worker blocked {row['vllm_blocking_s']:.2f}s; "
+        f"the plugin's {row['plugin_blocking_s']:.3f}s "
+        f"({row['blocking_ratio']:.0f}x less), registration {row['plugin_registration_s']:.2f}s "
+        f"in the background; its first store took {row['plugin_first_store_s']:.2f}s, of which "
+        f"{row['plugin_first_transfer_waited_s']:.2f}s waiting for the registration (started "
+        f"at once here: in an engine, model loading runs meanwhile)"
+    )
+    return row
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+def print_layout(row: dict[str, Any], peak: dict[str, Any]) -> None:
+    print(
+        f"\n== {row['layout']}: {row['blocks']} blocks, region {row['region_bytes'] / GIB:.1f} "
+        f"GiB ({row['workers']} worker cells per row)"
+    )
+    print(
+        f"{'':6} {'(a) link':>9} {'(b) vLLM':>9} {'(c) kvshm':>9} {'c/a':>6} {'c/b':>6} "
+        f"{'matmul x beside b':>18} {'beside c':>9}"
+    )
+    for d in DIRECTIONS:
+        b = row.get("vllm", {}).get(d)
+        c = row.get("plugin", {}).get(d)
+        a = peak[d]
+
+        def f(x: float | None, w: int = 9, p: int = 1) -> str:
+            return f"{x:>{w}.{p}f}" if x is not None else f"{'-':>{w}}"
+
+        print(
+            f"{d:6} {f(a)} {f(b and b['GBps'])} {f(c and c['GBps'])} "
+            f"{f(c and c['GBps'] / a, 6, 2)} {f(c and b and c['GBps'] / b['GBps'], 6, 2)} "
+            f"{f(b and b['matmul_slowdown'], 18, 2)} {f(c and c['matmul_slowdown'], 9, 2)}"
+        )
+    if "plugin_blocking_s" in row:
+        print(
+            f"start: plugin create_worker blocked {row['plugin_blocking_s']:.3f}s "
+            f"(registration {row.get('plugin_registration_s') or 0:.3f}s in the background, "
+            f"pinned={row.get('plugin_pinned')}; first transfer took "
+            f"{row.get('plugin_first_transfer_s', 0):.3f}s of which waiting for it "
+            f"{row.get('plugin_first_transfer_waited_s') or 0:.3f}s); vLLM's own blocked "
+            f"{row.get('vllm_blocking_s', float('nan')):.3f}s (pinned={row.get('vllm_pinned')})"
+        )
+    if "plugin_backends" in row:
+        print(f"plugin backends: {row['plugin_backends']}")
+    if row.get("plugin_calibrated"):
+        print(f"plugin backends chosen by measurement: {row['plugin_calibrated']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", help="comma-separated names (default: all)")
+    parser.add_argument("--gib", type=float, default=2.0, help="GPU KV per layout, GiB")
+    parser.add_argument("--job-blocks", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="(c) measures its backends at its first transfer (kvshm_calibrate), fresh cache",
+    )
+    parser.add_argument(
+        "--start-gib", type=float, default=64.0, help="region for the start-up figure (0: skip)"
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/vllm/run.py needs a CUDA device")
+    layouts = [x for x in REAL_LAYOUTS if not args.layouts or x.name in args.layouts.split(",")]
+    if not layouts:
+        sys.exit(f"no layout matches {args.layouts!r}: {[x.name for x in REAL_LAYOUTS]}")
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    if args.calibrate:
+        from kvshm.vllm.calibration import ChoiceCache
+
+        CALIBRATE.append(ChoiceCache(Path(tempfile.mkdtemp(prefix="kvshm-bench-choices-"))))
+    import vllm
+
+    print(f"vLLM {vllm.__version__} from {Path(vllm.__file__).parent}")
+    print(f"(b) platform: {vllm_platform_note()}")
+    dma = vllm_dma_note()
+    print(f"(b) DMA: {dma}")
+    peak = link(args.reps)
+    print(
+        f"(a) link GB/s: H2D {peak['H2D']:.1f}, D2H {peak['D2H']:.1f}, both "
+        f"{peak['both']:.1f} (best: {peak['both_best']}; "
+        + ", ".join(f"{k} {v:.1f}" for k, v in peak["both_methods"].items())
+        + ")"
+    )
+    compute = Compute()
+    rows = []
+    for layout in layouts:
+        row = bench_layout(layout, args, compute)
+        print_layout(row, peak)
+        rows.append(row)
+    start = bench_start(args.start_gib) if args.start_gib > 0 else None
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "link": peak,
+                    "vllm_dma": dma,
+                    "layouts": rows,
+                    "start": start,
+                    "problems": problems,
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    if problems:
+        print(f"\n{len(problems)} problem(s):", *problems, sep="\n  ")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

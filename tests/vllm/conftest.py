@@ -1,0 +1,43 @@
+"""tests/vllm: kvshm's vLLM 0.33 plugin against vLLM's own code (installed with --no-deps).
+
+vLLM picks its platform at import: these tests parse engine flags with the CPU platform (on
+the GPU machine too: only the KV tensors live on the GPU there).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import dataclasses
+import uuid
+from typing import Any
+
+import pytest
+
+from tests.vllm.engine import (
+    BLOCKS_PER_CHUNK,
+    CPU_PAGE,
+    NUM_CHUNKS,
+    kv_transfer_config,
+    vllm_config,
+    write_model,
+)
+
+
+@dataclasses.dataclass
+class Engine:
+    engine_id: str
+    config: Any
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """One engine's VllmConfig, from its flags (slow: vLLM's config code runs once)."""
+    engine_id = f"kvshm-plugin-test-{uuid.uuid4().hex[:8]}"
+    flags = kv_transfer_config(
+        engine_id,
+        {"cpu_bytes_to_use": NUM_CHUNKS * CPU_PAGE, "blocks_per_chunk": BLOCKS_PER_CHUNK},
+    )
+    return Engine(engine_id, vllm_config(write_model(tmp_path_factory.mktemp("model")), flags))

@@ -1,0 +1,76 @@
+"""One tensor-parallel rank of an engine, as its own process: the plugin's worker attaches the
+region's cell `rank`, stores random jobs, prints what it stored, then waits for a line on stdin
+(or, with --forever, keeps storing until killed).
+
+    python -m tests.vllm.rank_process DIR ID --rank R --workers W --chunks C --layers L
+        --page P --gpu-blocks G [--device cuda] [--forever]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from kvshm.vllm.attach import attach_region
+from kvshm.vllm.geometry import RegionGeometry
+from kvshm.vllm.worker import KvshmOffloadingWorker
+from tests.vllm.checks import finish
+from tests.vllm.jobs import random_job
+from tests.vllm.layouts import KvLayout, canonical_kv_caches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("directory")
+    parser.add_argument("instance_id")
+    for name in ("rank", "workers", "chunks", "layers", "page", "gpu_blocks"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--forever", action="store_true")
+    args = parser.parse_args()
+    layout = KvLayout("rank", args.layers, args.page)
+    cell = layout.worker_bytes_per_block
+    geometry = RegionGeometry(args.chunks, cell * args.workers, cell, args.workers, False)
+    region = attach_region(args.directory, args.instance_id, geometry, args.rank, 10.0)
+    kv = canonical_kv_caches(layout, args.gpu_blocks, args.device, seed=100 + args.rank)
+    worker = KvshmOffloadingWorker(
+        kv,
+        region,
+        1,
+        region_dir=args.directory,
+        instance_id=args.instance_id,
+        listen_for_drain=False,
+    )
+    rng = np.random.default_rng(args.rank)
+    per_job = max(1, args.gpu_blocks // 8)
+    used: list[int] = []
+    jobs = []
+    for _ in range(4):  # distinct chunks for every job, so the last write of each is known
+        job = random_job(rng, args.gpu_blocks, args.chunks, 1, [per_job], [0], used)
+        used += job.cpu_ids
+        jobs.append(job)
+    job_id = 0
+    for job in jobs:
+        job_id += 1
+        worker.submit_store(job_id, *job.specs())
+    finish(worker, set(range(1, job_id + 1)))
+    stored = [{"gpu": j.gpu_ids, "cpu": j.cpu_ids} for j in jobs]
+    print("STORED " + json.dumps(stored), flush=True)
+    if args.forever:  # rewrite the same bytes until killed: a kill lands mid-transfer
+        while True:
+            ids = set()
+            for job in jobs:
+                job_id += 1
+                worker.submit_store(job_id, *job.specs())
+                ids.add(job_id)
+            finish(worker, ids)
+    sys.stdin.readline()
+    worker.shutdown()
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()

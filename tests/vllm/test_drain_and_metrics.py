@@ -1,0 +1,147 @@
+"""The plugin follows the agent's drain event, and its transfer metrics reach vLLM's registry."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+
+from kvshm.agent.drain import DrainEvent
+from kvshm.agent.notify import CHUNK_BYTES, CHUNKS, EVENTS_RING
+from kvshm.ipc import MessageQueue, WaitPolicy
+from kvshm.vllm.events import ATTACH_TIMEOUT_S, Drain, DrainListener
+from kvshm.vllm.worker import RegionDrainedError
+from tests.vllm.checks import finish
+from tests.vllm.conftest import Engine
+from tests.vllm.engine import CPU_PAGE, GPU_BLOCKS, NUM_CHUNKS, TINY_LAYERS, TINY_PAGE
+from tests.vllm.jobs import Job
+from tests.vllm.layouts import KvLayout, canonical_kv_caches
+from tests.vllm.regions import agent_region, is_held
+from tests.vllm.test_plugin_cpu import spec_of
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def agent_events(shm_dir: Path) -> MessageQueue:
+    """The agent's event queue in the region directory, as kvshm.agent.notify makes it."""
+    return MessageQueue(
+        2,
+        CHUNK_BYTES,
+        CHUNKS,
+        name=EVENTS_RING,
+        directory=str(shm_dir),
+        wait_policy=WaitPolicy(spin_seconds=0.0, max_sleep_seconds=0.01),
+        on_dead_reader="evict",
+    )
+
+
+def test_drain_finishes_jobs_in_flight_then_releases_the_region(
+    engine: Engine,
+    shm_dir: Path,
+) -> None:
+    path = agent_region(str(shm_dir), engine.engine_id, NUM_CHUNKS, CPU_PAGE, 1)
+    events = agent_events(shm_dir)
+    try:
+        spec = spec_of(engine)
+        spec.settings = dataclasses.replace(spec.settings, region_dir=str(shm_dir))
+        kv = canonical_kv_caches(KvLayout("tiny", TINY_LAYERS, TINY_PAGE), GPU_BLOCKS, "cpu")
+        worker = spec.get_worker(kv)
+        assert is_held(path)
+        # the listener joins the queue in its own thread; a drain sent before it joined is lost
+        assert worker.drain_listener is not None and worker.drain_listener.wait_listening(10)
+        job = Job([1, 2, 3, 4], [5, 6], [4], [0])
+        assert worker.submit_store(1, *job.specs())
+        event = DrainEvent("team-a", "llama", engine.engine_id, "region deleted", time.time() + 30)
+        events.enqueue(event.to_message(), timeout=1.0)
+        deadline = time.monotonic() + 10
+        while is_held(path):
+            assert time.monotonic() < deadline, "the engine did not release the drained region"
+            time.sleep(0.02)
+        assert worker.drained is not None and worker.drained.reason == "region deleted"
+        # the job in flight at the drain still reaches vLLM, finished
+        assert finish(worker, {1})[1].success
+        with pytest.raises(RegionDrainedError, match="drained region team-a/llama"):
+            worker.submit_store(2, *job.specs())
+        with pytest.raises(RegionDrainedError, match="must be restarted"):
+            worker.submit_load(3, *reversed(job.specs()))
+        worker.shutdown()
+        assert os.path.exists(path), "removing the file is the agent's job"
+    finally:
+        events.close()
+
+
+def test_the_listener_joins_in_its_thread_and_retries_until_the_queue_exists(
+    shm_dir: Path,
+) -> None:
+    drains: list[Drain] = []
+    started = time.perf_counter()
+    listener = DrainListener(str(shm_dir), "late", drains.append, retry_s=0.05)
+    # joining no longer blocks the worker's constructor (it waited a whole attach timeout)
+    assert time.perf_counter() - started < ATTACH_TIMEOUT_S / 2
+    assert not listener.listening
+    time.sleep(0.2)  # a few failed tries
+    events = agent_events(shm_dir)
+    try:
+        assert listener.wait_listening(10), "the listener never joined the agent's queue"
+        for instance in ("another", "late"):
+            drain = DrainEvent("team-a", instance, instance, "node drained", time.time() + 30)
+            events.enqueue(drain.to_message(), timeout=1.0)
+        deadline = time.monotonic() + 10
+        while not drains:
+            assert time.monotonic() < deadline, "the drain was not followed"
+            time.sleep(0.02)
+        assert [d.instance_id for d in drains] == ["late"]
+        assert drains[0].reason == "node drained"
+    finally:
+        listener.close()
+        events.close()
+    assert not listener.listening
+
+
+def test_a_listener_closed_before_any_queue_exists_stops(shm_dir: Path) -> None:
+    listener = DrainListener(str(shm_dir), "never", lambda _: None, retry_s=0.05)
+    time.sleep(0.1)
+    started = time.perf_counter()
+    listener.close()
+    assert time.perf_counter() - started < 2 * ATTACH_TIMEOUT_S
+    assert not listener.listening
+    assert not (shm_dir / EVENTS_RING).exists()
+
+
+def test_transfer_metrics_of_a_worker_process_reach_vllms_registry(
+    engine: Engine,
+    shm_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    instance_id = f"metrics-{uuid.uuid4().hex[:8]}"
+    blocks, page, layers = 8, 4096, 2
+    agent_region(str(shm_dir), instance_id, blocks, page * layers, 1)
+    metrics_dir = shm_dir / "prometheus"
+    metrics_dir.mkdir()
+    env = {
+        **os.environ,
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+        "PYTHONPATH": f"{REPO / 'agent'}:{REPO}",
+    }
+    args = [str(shm_dir), instance_id, str(blocks), str(page), str(layers)]
+    subprocess.run(
+        [sys.executable, "-m", "tests.vllm.store_once", *args], cwd=REPO, env=env, check=True
+    )
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(metrics_dir))
+    registry = get_prometheus_registry()  # what vLLM's /metrics serves from
+    assert registry is not REGISTRY
+    moved = registry.get_sample_value("kvshm_transfer_bytes_total", {"direction": "gpu_to_cpu"})
+    assert moved == 3 * page * layers
+    jobs = registry.get_sample_value(
+        "kvshm_transfer_jobs_total", {"direction": "gpu_to_cpu", "backend": "cpu"}
+    )
+    assert jobs == 1

@@ -1,0 +1,255 @@
+"""The plugin loaded by vLLM 0.33's own factory from flags parsed by its own EngineArgs, storing
+and loading with kvshm's CPU backend against an agent-made region in /dev/shm, checked through
+vLLM's own region views."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvshm.region import RegionAttachTimeout
+from kvshm.vllm.attach import RegionGeometryMismatch
+from tests.vllm.checks import assert_region_matches_gpu, finish, job_bytes
+from tests.vllm.conftest import Engine
+from tests.vllm.engine import (
+    BLOCKS_PER_CHUNK,
+    CPU_PAGE,
+    GPU_BLOCKS,
+    NUM_CHUNKS,
+    TINY_LAYERS,
+    TINY_PAGE,
+    offloading_spec,
+)
+from tests.vllm.jobs import Job, random_job
+from tests.vllm.layouts import KvLayout, canonical_kv_caches
+from tests.vllm.regions import agent_region, is_held, region_file, vllm_views
+
+SHM = "/dev/shm"  # vLLM's SharedOffloadRegion only looks here
+
+
+@pytest.fixture
+def region(engine: Engine) -> Iterator[str]:
+    path = agent_region(SHM, engine.engine_id, NUM_CHUNKS, CPU_PAGE, 1)
+    try:
+        yield path
+    finally:
+        Path(path).unlink(missing_ok=True)
+
+
+def spec_of(engine: Engine) -> Any:
+    return offloading_spec(engine.config, GPU_BLOCKS)
+
+
+def views(engine: Engine) -> Any:
+    return vllm_views(
+        engine.engine_id, NUM_CHUNKS, 0, CPU_PAGE, CPU_PAGE, [TINY_PAGE * BLOCKS_PER_CHUNK] * 4
+    )
+
+
+def test_vllm_factory_loads_the_plugin_with_vllms_own_geometry(engine: Engine) -> None:
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    from kvshm.vllm.spec import KvshmOffloadingSpec
+
+    spec = spec_of(engine)
+    assert type(spec) is KvshmOffloadingSpec
+    own = CPUOffloadingSpec(spec.config)  # vLLM's spec for the same engine
+    assert (spec.num_chunks, spec.kv_bytes_per_chunk, spec.cpu_page_size_per_worker) == (
+        own.num_chunks,
+        own.kv_bytes_per_chunk,
+        own.cpu_page_size_per_worker,
+    )
+    assert (spec.num_chunks, spec.cpu_page_size_per_worker) == (NUM_CHUNKS, CPU_PAGE)
+    assert spec.settings.instance_id == engine.engine_id  # top-level engine_id reached it
+    assert spec.settings.region_dir == SHM
+    assert isinstance(spec.get_manager(), CPUOffloadingManager)
+
+
+def test_store_and_load_partial_chunks_through_vllms_views(engine: Engine, region: str) -> None:
+    from vllm.v1.kv_offload.base import TransferResult
+
+    assert not is_held(region)
+    spec = spec_of(engine)
+    kv = canonical_kv_caches(KvLayout("tiny", TINY_LAYERS, TINY_PAGE), GPU_BLOCKS, "cpu")
+    worker = spec.get_worker(kv)
+    assert is_held(region), "the agent's holder probe does not see the engine"
+    rng = np.random.default_rng(1)
+    # starts one block into its first chunk and ends half-way into its last: 3 chunks
+    store = random_job(rng, GPU_BLOCKS, NUM_CHUNKS, BLOCKS_PER_CHUNK, [4], [3])
+    assert len(store.cpu_ids) == 3
+    whole = random_job(rng, GPU_BLOCKS, NUM_CHUNKS, BLOCKS_PER_CHUNK, [6], [0], store.cpu_ids)
+    assert worker.submit_store(1, *store.specs())
+    assert worker.submit_store(2, *whole.specs())
+    results = finish(worker, {1, 2})
+    for job_id, job in ((1, store), (2, whole)):
+        result = results[job_id]
+        assert type(result) is TransferResult and result.success
+        assert result.transfer_size == job_bytes(job, kv)
+        assert result.transfer_time is not None and result.transfer_time >= 0
+    stored = [t.tensor[store.gpu_ids].clone() for t in kv.tensors]
+    with views(engine) as vllm:
+        assert assert_region_matches_gpu(store, kv, vllm, BLOCKS_PER_CHUNK) == 4 * TINY_LAYERS
+        assert_region_matches_gpu(whole, kv, vllm, BLOCKS_PER_CHUNK)
+        # the reverse: vLLM writes chunks, the plugin loads them into fresh GPU blocks
+        used = store.cpu_ids + whole.cpu_ids
+        load = random_job(rng, GPU_BLOCKS, NUM_CHUNKS, BLOCKS_PER_CHUNK, [5], [1], used)
+        for view in vllm:
+            fresh = torch.randint(-128, 128, (3, view.shape[1]), dtype=torch.int8)
+            view[load.cpu_ids] = fresh
+        gpu_before = [t.tensor.clone() for t in kv.tensors]
+        src, dst = load.specs()
+        assert worker.submit_load(3, dst, src, expedited=True)
+        assert finish(worker, {3})[3].success
+        assert_region_matches_gpu(load, kv, vllm, BLOCKS_PER_CHUNK)
+        untouched = sorted(set(range(GPU_BLOCKS)) - set(load.gpu_ids))
+        for before, t in zip(gpu_before, kv.tensors, strict=True):
+            assert torch.equal(before[untouched], t.tensor[untouched])
+    # a regular load of the first store's chunks into other blocks gives the stored bytes back
+    back = Job(sorted(set(range(GPU_BLOCKS)) - set(store.gpu_ids))[:4], store.cpu_ids, [4], [3])
+    src, dst = back.specs()
+    assert worker.submit_load(4, dst, src)
+    assert finish(worker, {4})[4].success
+    for before, t in zip(stored, kv.tensors, strict=True):
+        assert torch.equal(t.tensor[back.gpu_ids], before)
+    worker.shutdown()
+    assert not is_held(region), "the engine still holds the region after shutdown"
+    assert os.path.exists(region), "the plugin removed the agent's region"
+
+
+def test_several_groups_with_partial_and_empty_groups(engine: Engine, region: str) -> None:
+    spec = spec_of(engine)
+    kv = canonical_kv_caches(
+        KvLayout("tiny-2g", TINY_LAYERS, TINY_PAGE, groups=2), GPU_BLOCKS, "cpu"
+    )
+    worker = spec.get_worker(kv)
+    rng = np.random.default_rng(2)
+    jobs = [
+        random_job(rng, GPU_BLOCKS, NUM_CHUNKS, BLOCKS_PER_CHUNK, [3, 2], [1, 4]),
+        random_job(rng, GPU_BLOCKS, NUM_CHUNKS, BLOCKS_PER_CHUNK, [0, 3], [0, 5]),
+    ]
+    for job_id, job in enumerate(jobs, start=1):
+        assert worker.submit_store(job_id, *job.specs())
+        assert finish(worker, {job_id})[job_id].transfer_size == job_bytes(job, kv)
+        with views(engine) as vllm:
+            assert_region_matches_gpu(job, kv, vllm, BLOCKS_PER_CHUNK)
+    worker.shutdown()
+
+
+def test_a_region_of_another_geometry_is_refused_naming_both(engine: Engine) -> None:
+    path = agent_region(SHM, engine.engine_id, NUM_CHUNKS * 2, CPU_PAGE, 1)
+    try:
+        kv = canonical_kv_caches(KvLayout("tiny", TINY_LAYERS, TINY_PAGE), GPU_BLOCKS, "cpu")
+        with pytest.raises(RegionGeometryMismatch) as caught:
+            spec_of(engine).get_worker(kv)
+        message = str(caught.value)
+        for part in (
+            f"vLLM computed a CPU offload region of {NUM_CHUNKS} rows x {CPU_PAGE} bytes",
+            f"keeps in 1 file (vllm_offload_{engine.engine_id}.mmap)",
+            f"{path} is {2 * NUM_CHUNKS * CPU_PAGE} bytes where vLLM expects "
+            f"{NUM_CHUNKS * CPU_PAGE} ({2 * NUM_CHUNKS} rows",
+            f"OffloadRegion with instanceId {engine.engine_id!r}",
+            f"format: vllm-0.33, numBlocks: {NUM_CHUNKS}, cpuPageSize: {CPU_PAGE}, "
+            "numWorkers: 1, replicated: false",
+        ):
+            assert part in message, message
+        assert not is_held(path)
+        assert os.path.getsize(path) == 2 * NUM_CHUNKS * CPU_PAGE  # left as it was
+    finally:
+        Path(path).unlink(missing_ok=True)
+
+
+def test_never_creates_a_missing_region(engine: Engine) -> None:
+    spec = spec_of(engine)
+    spec.settings = dataclasses.replace(spec.settings, attach_timeout_s=0.2)
+    kv = canonical_kv_caches(KvLayout("tiny", TINY_LAYERS, TINY_PAGE), GPU_BLOCKS, "cpu")
+    with pytest.raises(RegionAttachTimeout, match="did not appear"):
+        spec.get_worker(kv)
+    assert not os.path.exists(region_file(SHM, engine.engine_id))
+
+
+def test_replicated_layout_every_rank_uses_the_one_copy(engine: Engine) -> None:
+    """MLA's replicated layout at TP 2: one copy per row, which rank 1 maps and loads too."""
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    from kvshm.vllm.spec import KvshmOffloadingSpec
+
+    base = spec_of(engine).config
+    config = dataclasses.replace(
+        base,
+        replicated_layout=True,
+        parallel=dataclasses.replace(base.parallel, world_size=2, tp_size=2, rank=1),
+    )
+
+    class VllmOnCuda(CPUOffloadingSpec):  # type: ignore[misc]
+        def _uses_shared_region(self) -> bool:
+            return True  # what vLLM's spec decides on a CUDA platform
+
+    spec, own = KvshmOffloadingSpec(config), VllmOnCuda(config)
+    assert spec.replicated_layout and own.replicated_layout
+    geometry = spec.region_geometry
+    assert (geometry.num_chunks, geometry.row_stride, geometry.cpu_page_size) == (
+        own.num_chunks,
+        own.kv_bytes_per_chunk,
+        own.cpu_page_size_per_worker,
+    )
+    assert geometry.copies == 1 and geometry.row_stride == CPU_PAGE
+    path = agent_region(SHM, engine.engine_id, geometry.num_chunks, CPU_PAGE, 2, replicated=True)
+    try:
+        kv = canonical_kv_caches(KvLayout("tiny", TINY_LAYERS, TINY_PAGE), GPU_BLOCKS, "cpu")
+        worker = spec.get_worker(kv)  # rank 1
+        job = random_job(np.random.default_rng(3), GPU_BLOCKS, geometry.num_chunks, 2, [5], [1])
+        assert worker.submit_store(1, *job.specs())
+        assert finish(worker, {1})[1].success
+        pages = [TINY_PAGE * BLOCKS_PER_CHUNK] * TINY_LAYERS
+        # vLLM's create_worker maps the replicated region as rank 0 on every worker
+        with vllm_views(engine.engine_id, geometry.num_chunks, 0, CPU_PAGE, CPU_PAGE, pages) as v:
+            assert_region_matches_gpu(job, kv, v, BLOCKS_PER_CHUNK)
+        worker.shutdown()
+    finally:
+        Path(path).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"kvshm_region_dir": "relative/dir"}, "must be an absolute path"),
+        ({"kvshm_instance_id": "../escape"}, "is not allowed"),
+        ({"kvshm_attach_timeout_s": "soon"}, "must be a number of seconds"),
+        ({"kvshm_backend": "fastest"}, "must be one of auto, dma, kernel, staged, cpu"),
+        ({"kvshm_pin": "maybe"}, "kvshm_pin must be true or false"),
+    ],
+)
+def test_bad_plugin_keys_are_refused_at_start(
+    engine: Engine, extra: dict[str, Any], message: str
+) -> None:
+    from kvshm.vllm.settings import PluginConfigError, PluginSettings
+
+    with pytest.raises(PluginConfigError, match=re.escape(message)):
+        PluginSettings.from_extra_config(extra, engine.engine_id, 0, 1)
+
+
+def test_an_explicit_instance_id_gets_vllms_data_parallel_suffix(engine: Engine) -> None:
+    from kvshm.vllm.settings import PluginSettings
+
+    extra = {"kvshm_instance_id": "llama-kv"}
+    assert PluginSettings.from_extra_config(extra, "x_dp1", 1, 2).instance_id == "llama-kv_dp1"
+    assert PluginSettings.from_extra_config(extra, "x", 0, 1).instance_id == "llama-kv"
+    assert PluginSettings.from_extra_config({}, "x_dp1", 1, 2).instance_id == "x_dp1"
+
+
+def test_canonical_layout_is_refused_clearly(engine: Engine) -> None:
+    from kvshm.vllm.settings import PluginConfigError
+    from kvshm.vllm.spec import KvshmOffloadingSpec
+
+    config = dataclasses.replace(spec_of(engine).config, canonical_layout=True)
+    with pytest.raises(PluginConfigError, match="canonical_layout is not supported"):
+        KvshmOffloadingSpec(config)

@@ -1,0 +1,115 @@
+"""Tensor-parallel ranks as separate processes on one region (issue 17, on one machine): both
+ranks attach their cells and store at once; this process checks every stored byte of both
+through vLLM's own region views; SIGKILL of one rank mid-transfer loses nothing the other
+stored, and the agent still sees the other as a holder.
+
+On a GPU machine the same runs with CUDA tensors (both ranks on the one GPU); the two-GPU run
+is the nvidia-h200-x2 follow-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.vllm.layouts import KvLayout, canonical_kv_caches
+from tests.vllm.regions import agent_region, is_held, vllm_views
+
+REPO = Path(__file__).resolve().parents[2]
+SHM = "/dev/shm"
+WORKERS, CHUNKS, LAYERS, PAGE, GPU_BLOCKS = 2, 64, 4, 16 * 1024, 32
+CELL = LAYERS * PAGE
+
+
+def start_rank(instance_id: str, rank: int, device: str, forever: bool = False) -> Any:
+    args = [
+        sys.executable,
+        "-m",
+        "tests.vllm.rank_process",
+        SHM,
+        instance_id,
+        "--rank",
+        str(rank),
+        "--workers",
+        str(WORKERS),
+        "--chunks",
+        str(CHUNKS),
+        "--layers",
+        str(LAYERS),
+        "--page",
+        str(PAGE),
+        "--gpu-blocks",
+        str(GPU_BLOCKS),
+        "--device",
+        device,
+    ] + (["--forever"] if forever else [])
+    # keep the caller's path (vLLM may come from PYTHONPATH rather than the venv)
+    path = [str(REPO / "agent"), str(REPO), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    return subprocess.Popen(
+        args, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def stored_by(process: Any) -> list[dict[str, list[int]]]:
+    for line in process.stdout:
+        if line.startswith("STORED "):
+            return list(json.loads(line[len("STORED ") :]))
+    raise AssertionError(f"rank process exited ({process.wait()}) before storing")
+
+
+def check_rank(instance_id: str, rank: int, stored: list[dict[str, list[int]]]) -> int:
+    """Every stored page of the rank equals what that rank had on its GPU (regenerated)."""
+    kv: Any = canonical_kv_caches(KvLayout("rank", LAYERS, PAGE), GPU_BLOCKS, "cpu", 100 + rank)
+    pages = [PAGE] * LAYERS
+    checked = 0
+    with vllm_views(instance_id, CHUNKS, rank, CELL * WORKERS, CELL, pages) as views:
+        for job in stored:
+            for block, chunk in zip(job["gpu"], job["cpu"], strict=True):
+                for t, view in enumerate(views):
+                    assert torch.equal(view[chunk], kv.tensors[t].tensor[block]), (
+                        f"rank {rank}: chunk {chunk} tensor {t} is not GPU block {block}"
+                    )
+                    checked += 1
+    return checked
+
+
+def devices() -> list[Any]:
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", devices())
+def test_two_rank_processes_store_at_once_and_a_killed_one_costs_the_other_nothing(
+    device: str,
+) -> None:
+    instance_id = f"kvshm-ranks-{uuid.uuid4().hex[:8]}"
+    path = agent_region(SHM, instance_id, CHUNKS, CELL, WORKERS)
+    ranks: list[Any] = []
+    try:
+        ranks = [start_rank(instance_id, 0, device), start_rank(instance_id, 1, device, True)]
+        stored = [stored_by(p) for p in ranks]
+        assert check_rank(instance_id, 0, stored[0]) > 0
+        assert check_rank(instance_id, 1, stored[1]) > 0
+        ranks[1].send_signal(signal.SIGKILL)  # while it keeps rewriting its cells
+        assert ranks[1].wait(timeout=30) == -signal.SIGKILL
+        assert is_held(path), "rank 0 still maps the region: the agent must see a holder"
+        check_rank(instance_id, 0, stored[0])  # nothing rank 0 stored was lost
+        check_rank(instance_id, 1, stored[1])  # its own last complete bytes, rewritten same
+        ranks[0].stdin.write("\n")
+        ranks[0].stdin.flush()
+        assert ranks[0].wait(timeout=30) == 0
+        assert not is_held(path)
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        Path(path).unlink(missing_ok=True)
