@@ -18,13 +18,13 @@ from kvshm.agent.notify import CHUNK_BYTES, CHUNKS, EVENTS_RING
 from kvshm.ipc import MessageQueue, WaitPolicy
 from kvshm.vllm.events import ATTACH_TIMEOUT_S, Drain, DrainListener
 from kvshm.vllm.worker import RegionDrainedError
-from tests.vllm.checks import finish
-from tests.vllm.conftest import Engine
-from tests.vllm.engine import CPU_PAGE, GPU_BLOCKS, NUM_CHUNKS, TINY_LAYERS, TINY_PAGE
-from tests.vllm.jobs import Job
-from tests.vllm.layouts import KvLayout, canonical_kv_caches
-from tests.vllm.regions import agent_region, is_held
-from tests.vllm.test_plugin_cpu import spec_of
+from tests.vllm_plugin.checks import finish
+from tests.vllm_plugin.conftest import Engine
+from tests.vllm_plugin.engine import CPU_PAGE, GPU_BLOCKS, NUM_CHUNKS, TINY_LAYERS, TINY_PAGE
+from tests.vllm_plugin.jobs import Job
+from tests.vllm_plugin.layouts import KvLayout, canonical_kv_caches
+from tests.vllm_plugin.regions import agent_region, is_held
+from tests.vllm_plugin.test_plugin_cpu import spec_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -134,7 +134,7 @@ def test_transfer_metrics_of_a_worker_process_reach_vllms_registry(
     }
     args = [str(shm_dir), instance_id, str(blocks), str(page), str(layers)]
     subprocess.run(
-        [sys.executable, "-m", "tests.vllm.store_once", *args], cwd=REPO, env=env, check=True
+        [sys.executable, "-m", "tests.vllm_plugin.store_once", *args], cwd=REPO, env=env, check=True
     )
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(metrics_dir))
     registry = get_prometheus_registry()  # what vLLM's /metrics serves from

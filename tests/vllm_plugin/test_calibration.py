@@ -12,12 +12,12 @@ import pytest
 
 from kvshm.vllm import calibration
 from kvshm.vllm.calibration import ChoiceCache, host_key, layout_key
-from tests.vllm.checks import finish
-from tests.vllm.conftest import Engine
-from tests.vllm.engine import GPU_BLOCKS, TINY_LAYERS, TINY_PAGE
-from tests.vllm.jobs import Job
-from tests.vllm.layouts import KvLayout, canonical_kv_caches
-from tests.vllm.test_plugin_cpu import region, spec_of  # noqa: F401  (fixture)
+from tests.vllm_plugin.checks import finish
+from tests.vllm_plugin.conftest import Engine
+from tests.vllm_plugin.engine import GPU_BLOCKS, TINY_LAYERS, TINY_PAGE
+from tests.vllm_plugin.jobs import Job
+from tests.vllm_plugin.layouts import KvLayout, canonical_kv_caches
+from tests.vllm_plugin.test_plugin_cpu import region, spec_of  # noqa: F401  (fixture)
 
 
 def test_the_choice_is_measured_once_then_read_from_the_cache(

@@ -17,9 +17,9 @@ import torch
 
 from kvshm.region import RegionAttachTimeout
 from kvshm.vllm.attach import RegionGeometryMismatch
-from tests.vllm.checks import assert_region_matches_gpu, finish, job_bytes
-from tests.vllm.conftest import Engine
-from tests.vllm.engine import (
+from tests.vllm_plugin.checks import assert_region_matches_gpu, finish, job_bytes
+from tests.vllm_plugin.conftest import Engine
+from tests.vllm_plugin.engine import (
     BLOCKS_PER_CHUNK,
     CPU_PAGE,
     GPU_BLOCKS,
@@ -28,9 +28,9 @@ from tests.vllm.engine import (
     TINY_PAGE,
     offloading_spec,
 )
-from tests.vllm.jobs import Job, random_job
-from tests.vllm.layouts import KvLayout, canonical_kv_caches
-from tests.vllm.regions import agent_region, is_held, region_file, vllm_views
+from tests.vllm_plugin.jobs import Job, random_job
+from tests.vllm_plugin.layouts import KvLayout, canonical_kv_caches
+from tests.vllm_plugin.regions import agent_region, is_held, region_file, vllm_views
 
 SHM = "/dev/shm"  # vLLM's SharedOffloadRegion only looks here
 

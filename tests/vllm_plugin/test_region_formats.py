@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from kvshm.vllm.attach import RegionGeometryMismatch
-from tests.vllm.checks import assert_region_matches_gpu, finish
-from tests.vllm.conftest import Engine
-from tests.vllm.engine import BLOCKS_PER_CHUNK, GPU_BLOCKS, offloading_spec
-from tests.vllm.jobs import Job
-from tests.vllm.layouts import KvLayout, canonical_kv_caches
-from tests.vllm.regions import agent_region, is_held, remove_region, vllm_views
+from tests.vllm_plugin.checks import assert_region_matches_gpu, finish
+from tests.vllm_plugin.conftest import Engine
+from tests.vllm_plugin.engine import BLOCKS_PER_CHUNK, GPU_BLOCKS, offloading_spec
+from tests.vllm_plugin.jobs import Job
+from tests.vllm_plugin.layouts import KvLayout, canonical_kv_caches
+from tests.vllm_plugin.regions import agent_region, is_held, remove_region, vllm_views
 
 SHM = "/dev/shm"  # vLLM's SharedOffloadRegion only looks here
 GIB = 1024**3

@@ -2,7 +2,7 @@
 region's cell `rank`, stores random jobs, prints what it stored, then waits for a line on stdin
 (or, with --forever, keeps storing until killed).
 
-    python -m tests.vllm.rank_process DIR ID --rank R --workers W --chunks C --layers L
+    python -m tests.vllm_plugin.rank_process DIR ID --rank R --workers W --chunks C --layers L
         --page P --gpu-blocks G [--device cuda] [--forever]
 """
 
@@ -17,9 +17,9 @@ import numpy as np
 from kvshm.vllm.attach import attach_region
 from kvshm.vllm.geometry import RegionGeometry
 from kvshm.vllm.worker import KvshmOffloadingWorker
-from tests.vllm.checks import finish
-from tests.vllm.jobs import random_job
-from tests.vllm.layouts import KvLayout, canonical_kv_caches
+from tests.vllm_plugin.checks import finish
+from tests.vllm_plugin.jobs import random_job
+from tests.vllm_plugin.layouts import KvLayout, canonical_kv_caches
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.vllm.layouts import KvLayout, canonical_kv_caches
-from tests.vllm.regions import agent_region, is_held, vllm_views
+from tests.vllm_plugin.layouts import KvLayout, canonical_kv_caches
+from tests.vllm_plugin.regions import agent_region, is_held, vllm_views
 
 REPO = Path(__file__).resolve().parents[2]
 SHM = "/dev/shm"
@@ -33,7 +33,7 @@ def start_rank(instance_id: str, rank: int, device: str, forever: bool = False) 
     args = [
         sys.executable,
         "-m",
-        "tests.vllm.rank_process",
+        "tests.vllm_plugin.rank_process",
         SHM,
         instance_id,
         "--rank",

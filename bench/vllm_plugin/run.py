@@ -19,7 +19,7 @@ blocks against the plugin's, the plugin's background registration and its first 
 
 Run on a GPU machine from the repository root, vLLM 0.33.0's wheel installed with --no-deps and
 the few pure-Python packages its worker modules import (docs/vllm-plugin.md):
-    PYTHONPATH=agent:operator python3 bench/vllm/run.py [--layouts a,b] [--json FILE]
+    PYTHONPATH=agent:operator python3 bench/vllm_plugin/run.py [--layouts a,b] [--json FILE]
 Exits non-zero if anything could not be measured.
 """
 
@@ -43,8 +43,8 @@ sys.path[:0] = [str(REPO / "bench" / "transfer"), str(REPO)]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench_transfer import GIB, MIB, Compute, beside_compute, gbps, link_peak, wall  # noqa: E402
-from tests.vllm.layouts import REAL_LAYOUTS, KvLayout, canonical_kv_caches  # noqa: E402
-from tests.vllm.regions import agent_region  # noqa: E402
+from tests.vllm_plugin.layouts import REAL_LAYOUTS, KvLayout, canonical_kv_caches  # noqa: E402
+from tests.vllm_plugin.regions import agent_region  # noqa: E402
 
 from kvshm.vllm.attach import attach_region  # noqa: E402
 from kvshm.vllm.geometry import RegionGeometry  # noqa: E402
@@ -452,7 +452,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/vllm/run.py needs a CUDA device")
+        sys.exit("bench/vllm_plugin/run.py needs a CUDA device")
     layouts = [x for x in REAL_LAYOUTS if not args.layouts or x.name in args.layouts.split(",")]
     if not layouts:
         sys.exit(f"no layout matches {args.layouts!r}: {[x.name for x in REAL_LAYOUTS]}")

@@ -1,4 +1,4 @@
-"""tests/vllm: kvshm's vLLM 0.33 plugin against vLLM's own code (installed with --no-deps).
+"""tests/vllm_plugin: kvshm's vLLM 0.33 plugin against vLLM's own code (installed with --no-deps).
 
 vLLM picks its platform at import: these tests parse engine flags with the CPU platform (on
 the GPU machine too: only the KV tensors live on the GPU there).
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.engine import (
+from tests.vllm_plugin.engine import (
     BLOCKS_PER_CHUNK,
     CPU_PAGE,
     NUM_CHUNKS,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tests.vllm.jobs import Job
+from tests.vllm_plugin.jobs import Job
 
 
 def finish(worker: Any, job_ids: set[int], timeout: float = 30.0) -> dict[int, Any]:

@@ -2,7 +2,7 @@
 stores, loads and expedited loads with random block ids and partial chunks, checked through
 vLLM 0.33's own region views; the region registered with CUDA in the background.
 
-    PYTHONPATH=agent:operator python3 -m pytest tests/vllm -m gpu
+    PYTHONPATH=agent:operator python3 -m pytest tests/vllm_plugin -m gpu
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 from kvshm.vllm.attach import attach_region
 from kvshm.vllm.geometry import RegionGeometry
 from kvshm.vllm.worker import KvshmOffloadingWorker
-from tests.vllm.checks import assert_region_matches_gpu, finish, job_bytes
-from tests.vllm.jobs import Job, random_job
-from tests.vllm.layouts import MULTI_GROUP, REAL_LAYOUTS, KvLayout, canonical_kv_caches
-from tests.vllm.regions import agent_region, is_held, vllm_views
+from tests.vllm_plugin.checks import assert_region_matches_gpu, finish, job_bytes
+from tests.vllm_plugin.jobs import Job, random_job
+from tests.vllm_plugin.layouts import MULTI_GROUP, REAL_LAYOUTS, KvLayout, canonical_kv_caches
+from tests.vllm_plugin.regions import agent_region, is_held, vllm_views
 
 pytestmark = pytest.mark.gpu
 

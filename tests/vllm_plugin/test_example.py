@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.vllm.engine import kv_cache_config, offloading_spec, vllm_config
+from tests.vllm_plugin.engine import kv_cache_config, offloading_spec, vllm_config
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "serving" / "plugin" / "deployment.yaml"

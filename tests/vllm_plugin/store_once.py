@@ -2,7 +2,7 @@
 its kvshm metrics must reach the parent through PROMETHEUS_MULTIPROC_DIR, as vLLM's /metrics
 reads its workers' metrics.
 
-    python -m tests.vllm.store_once <region dir> <instance id> <blocks> <page> <layers>
+    python -m tests.vllm_plugin.store_once <region dir> <instance id> <blocks> <page> <layers>
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 from kvshm.vllm.attach import attach_region
 from kvshm.vllm.geometry import RegionGeometry
 from kvshm.vllm.worker import KvshmOffloadingWorker
-from tests.vllm.checks import finish
-from tests.vllm.jobs import Job
-from tests.vllm.layouts import KvLayout, canonical_kv_caches
+from tests.vllm_plugin.checks import finish
+from tests.vllm_plugin.jobs import Job
+from tests.vllm_plugin.layouts import KvLayout, canonical_kv_caches
 
 
 def main() -> None:
