@@ -234,8 +234,10 @@ def test_an_api_server_restart_under_running_agents_and_operator(
     envtest.start_apiserver()
     api_cluster.create_region("after")
     api_cluster.wait_phase("after", "Ready", timeout=90)
-    before = api_cluster.status("before")
-    assert before.get("phase") == "Ready", before  # the message says why when it is not
+    # An outage longer than the agents' silence limit (6 s here; a restart on a loaded 2-core
+    # runner takes that long) rightly degrades "before" while nothing is heard from its agents;
+    # what must hold is that it comes back to Ready once they report again.
+    api_cluster.wait_phase("before", "Ready", timeout=60)
     processes = [a.process for a in api_agents.values()] + [api_operator.process]
     assert all(p is not None and p.poll() is None for p in processes)
     for agent in api_agents.values():
