@@ -6,10 +6,16 @@
 #   scripts/extract-vllm-bench-src.sh [path/to/vllm-0.33.0-*.whl] [destination]
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-wheel="${1:-$(ls /work/vllm-0.33/vllm-0.33.0-*.whl 2>/dev/null | head -n1)}"
+wheel="${1:-}"
 destination="${2:-$repo/.vllm-src}"
-if [[ -z "$wheel" || ! -f "$wheel" ]]; then
-    echo "no vLLM 0.33 wheel: pass its path (pip download vllm==0.33.0 --no-deps)" >&2
+if [[ -z "$wheel" ]]; then # no wheel given: fetch vLLM 0.33.0's from PyPI (no dependencies)
+    download="$(mktemp -d)"
+    trap 'rm -rf "$download"' EXIT
+    python3 -m pip download -q --no-deps --only-binary=:all: -d "$download" "vllm==0.33.0"
+    wheel="$(ls "$download"/vllm-0.33.0-*.whl)"
+fi
+if [[ ! -f "$wheel" ]]; then
+    echo "no vLLM 0.33 wheel at $wheel: pass its path (pip download vllm==0.33.0 --no-deps)" >&2
     exit 2
 fi
 rm -rf "$destination"
