@@ -6,17 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvshm.region.layout import RegionLayout
 from kvshm.sizing.errors import SizingError
 from kvshm.sizing.model import ModelKVShape, normalise_kv_cache_dtype
 
-ROW_ALIGNMENT = 4096  # vLLM's SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT (mmap.PAGESIZE)
 DEFAULT_BLOCK_SIZE = 16  # vLLM's --block-size default for CUDA attention backends
 DEFAULT_BLOCKS_PER_CHUNK = 1  # vLLM's default when kv_connector_extra_config names none
 FORMATS = ("vllm-0.33", "vllm-0.27")  # the region formats vLLM itself reads (see docs/vllm.md)
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -81,7 +77,8 @@ def plan_offload(
     replicated = shape.mla and tp > 1
     copies = 1 if replicated else tp
     cpu_page_size = worker_block * blocks_per_chunk
-    row_stride = round_up(cpu_page_size * copies, ROW_ALIGNMENT)
+    # the padded row of the region format vLLM 0.33 reads (one row is enough to ask)
+    row_stride = RegionLayout(1, cpu_page_size, tp, replicated=replicated).row_stride
     num_blocks = cpu_bytes // row_stride
     if num_blocks < 1:
         raise SizingError(
