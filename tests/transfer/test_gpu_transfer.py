@@ -271,7 +271,8 @@ def test_many_layers_of_small_pages_are_staged_and_byte_exact(
     regions: list[SharedOffloadRegion],
 ) -> None:
     """A worker with one tensor per layer: each block's pages form one 512 KiB run of its
-    cell, so the policy stages the job; jobs larger than the staging ring reuse its buffers."""
+    cell, so the policy stages the job (on the uniform path); jobs larger than the staging
+    ring reuse its buffers."""
     region = regions[2]
     num_blocks = region.layout.num_blocks
     gpu = random_block_data(num_blocks + 16, PAGE, LAYERS)
@@ -287,6 +288,9 @@ def test_many_layers_of_small_pages_are_staged_and_byte_exact(
         (GPULoadStoreSpec(gpu_ids[h], [len(h)], [0]), CPULoadStoreSpec(cpu_ids[h])) for h in halves
     ]
     assert store._chooser.choose(store._planner.plan(specs[0])).name == "staged"
+    # one group, one block per chunk, pages back to back in the cell: the jobs are planned
+    # from their ids alone (kvshm.transfer.uniform), in pieces of 4 cells per buffer
+    assert store._uniform is not None and pair.cpu_to_gpu_handler._uniform is not None
     for job, spec in enumerate(specs):
         assert store.transfer_async(job, spec)
     store.wait([0, 1])

@@ -32,6 +32,8 @@ class CopyBatch:
 
     def columns(self, start: int, stop: int) -> CopyBatch:
         """Copies start .. stop as a batch sharing this one's memory (each row contiguous)."""
+        if start == 0 and stop >= self.count:
+            return self  # a one-piece job: no slicing on the issuing thread
         rows = self.rows[:, start:stop]
         return CopyBatch(self.table[:, start:stop], rows, int(rows[2].sum()))
 

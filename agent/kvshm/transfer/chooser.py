@@ -12,6 +12,7 @@ from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.errors import BackendUnavailableError
 from kvshm.transfer.metrics import Direction
+from kvshm.transfer.uniform import UniformLayout
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,24 @@ class BackendChooser:
         if kernel is not None and batch.mean_copy_bytes < self._kernel_below:
             return kernel
         return self._backends["dma"]
+
+    def staged_for_uniform(self, layout: UniformLayout) -> StagedBackend | None:
+        """The staged backend if it is what choose() picks for every job of this uniform
+        layout (kvshm.transfer.uniform), so that such jobs may skip the general planning; a
+        job of it is one run per block, of layout.block_bytes."""
+        staged = self._backends.get("staged")
+        if not isinstance(staged, StagedBackend) or staged.buffer_bytes < layout.block_bytes:
+            return None
+        if self._override is not None:
+            return staged if self._override == "staged" else None
+        if "cpu" in self._backends:
+            return None
+        worth = (
+            layout.refs >= 2  # at most half as many runs as copies
+            and layout.mean_page_bytes < self._staged_below
+            and layout.block_bytes >= self._staged_from
+        )
+        return staged if worth else None
 
     def _worth_staging(self, staged: StagedBackend, batch: CopyBatch) -> bool:
         if batch.count < 2 or batch.mean_copy_bytes >= self._staged_below:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from kvshm.transfer.backends.base import CopyBackend, Stream
 from kvshm.transfer.backends.factory import build_backends
+from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.chooser import BackendChooser, BackendPolicy, override_from_env
 from kvshm.transfer.errors import (
     HandlerClosedError,
@@ -36,6 +38,7 @@ from kvshm.transfer.specs import (
 from kvshm.transfer.staging import layout_run_bytes
 from kvshm.transfer.tensors import check_group_refs, check_tensors
 from kvshm.transfer.timeline import CpuTimeline, Ticket, Timeline
+from kvshm.transfer.uniform import UniformLayout
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +144,14 @@ class SingleDirectionOffloadingHandler:
         if why_not is not None:
             unavailable.setdefault("staged", why_not)
         self._chooser = BackendChooser(backends, unavailable, self.direction, policy, override)
+        # the common layout's jobs skip the general planning where staging takes them all
+        self._uniform: tuple[UniformLayout, StagedBackend] | None = None
+        layout = UniformLayout.of(
+            pairs.gpu, pairs.cpu, block_size_factor, self.kv_cache_groups_data_refs
+        )
+        if layout is not None:
+            staged = self._chooser.staged_for_uniform(layout)
+            self._uniform = None if staged is None else (layout, staged)
         self._timeline = _timeline_for(pairs.device, options)
         self._metrics = TransferMetrics(self.direction)
         self._jobs: deque[_Job] = deque()
@@ -166,17 +177,27 @@ class SingleDirectionOffloadingHandler:
             raise InvalidTransferSpecError(
                 f"job {job_id} is still in flight: job ids must be unique until finished"
             )
-        batch = self._planner.plan(spec)
-        backend = self._chooser.choose(batch)
         after = None
         if self.device.type == "cuda":
             # a store must follow the compute that wrote its blocks; a load must follow writes
             # queued to its destination blocks (vLLM 0.33 zeroes freshly allocated blocks on the
             # compute stream, and with async scheduling nothing else orders that before the load)
             after = torch.cuda.current_stream(self.device)
-        work = partial(backend.copy, batch, after=after)
+        uniform = None if self._uniform is None else self._uniform[0].job(spec, self.gpu_to_cpu)
+        work: Callable[[Stream], object]
+        backend: CopyBackend
+        if uniform is not None and self._uniform is not None:
+            layout, staged = self._uniform
+            backend = staged
+            work = partial(staged.copy_uniform, layout, uniform, after=after)
+            size = uniform.total_bytes
+        else:
+            batch = self._planner.plan(spec)
+            backend = self._chooser.choose(batch)
+            work = partial(backend.copy, batch, after=after)
+            size = batch.total_bytes
         ticket = self._timeline.launch(work, after)
-        job = _Job(job_id, ticket, batch.total_bytes, backend.name)
+        job = _Job(job_id, ticket, size, backend.name)
         self._jobs.append(job)
         self._pending[job_id] = job
         return True

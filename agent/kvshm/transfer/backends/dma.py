@@ -26,6 +26,9 @@ from kvshm.transfer.options import DEFAULT_DESCRIPTORS_PER_CALL
 log = logging.getLogger(__name__)
 
 _WORD = 8  # bytes per descriptor entry (uint64)
+# a staged job's runs (whole cells, 256 KiB and up) are few and long: their order does not
+# matter to the link, and sorting them is CPU time on the issuing thread
+SORT_BELOW_BYTES = 256 * 1024
 
 
 class DmaBackend(CopyBackend):
@@ -48,7 +51,7 @@ class DmaBackend(CopyBackend):
 
     def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> None:
         handle = int(stream.cuda_stream)
-        if self._sort_by_destination:
+        if self._sort_by_destination and batch.mean_copy_bytes < SORT_BELOW_BYTES:
             # writes to host memory in ascending address order: 64 KiB blocks to random region
             # rows moved 53.0 GB/s sorted against 50.9 in the job's order (H200); reads from
             # host memory do not care (docs/transfer.md)

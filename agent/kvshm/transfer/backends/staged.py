@@ -23,6 +23,7 @@ from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.staging import StagingPlan, plan_staging
+from kvshm.transfer.uniform import UniformJob, UniformLayout, uniform_tables
 
 
 @dataclass
@@ -102,19 +103,77 @@ class StagedBackend(CopyBackend):
             )
         if batch.count == 0:
             return None
+        used = self._take_buffers(plan.pieces)
+        bases = np.array([self._ring[b].memory.data_ptr() for b in used], dtype=np.int64)
+        kernel_table, runs = staged_tables(batch, plan, bases, self._gpu_to_cpu)
+        self._issue(
+            used,
+            kernel_table,
+            runs,
+            plan.copy_piece_starts,
+            plan.run_piece_starts,
+            plan.largest_copy,
+            stream,
+            after,
+        )
+        return (kernel_table, runs)
+
+    def copy_uniform(
+        self, layout: UniformLayout, job: UniformJob, stream: Stream, after: Stream | None = None
+    ) -> object:
+        """The same for a uniform job (kvshm.transfer.uniform): its tables come from the block
+        ids alone, a piece being as many whole blocks (cells) as fill a buffer."""
+        blocks_per_piece = self.buffer_bytes // layout.block_bytes
+        if blocks_per_piece < 1:
+            raise ValueError(
+                f"a block of {layout.block_bytes} bytes does not fit a staging buffer of "
+                f"{self.buffer_bytes} bytes"
+            )
+        count = len(job.gpu_ids)
+        used = self._take_buffers(-(-count // blocks_per_piece))
+        bases = np.array([self._ring[b].memory.data_ptr() for b in used], dtype=np.int64)
+        kernel_table = torch.empty((3, count * layout.refs), dtype=torch.int64, pin_memory=True)
+        tables = uniform_tables(
+            layout, job, bases, blocks_per_piece, self._gpu_to_cpu, kernel_table.numpy()
+        )
+        runs = CopyBatch(torch.from_numpy(tables.runs), tables.runs, job.total_bytes)
+        self._issue(
+            used,
+            kernel_table,
+            runs,
+            tables.copy_piece_starts,
+            tables.run_piece_starts,
+            tables.largest_copy,
+            stream,
+            after,
+        )
+        return (kernel_table, runs)
+
+    def _take_buffers(self, pieces: int) -> list[int]:
+        """The ring's next `pieces` buffers, in order (a buffer may recur: its events order
+        the reuse)."""
         self.allocate()
+        used = [(self._next + p) % len(self._ring) for p in range(pieces)]
+        self._next = (self._next + pieces) % len(self._ring)
+        return used
+
+    def _issue(
+        self,
+        used: list[int],
+        kernel_table: torch.Tensor,
+        runs: CopyBatch,
+        copies: npt.NDArray[np.int64],
+        run_starts: npt.NDArray[np.int64],
+        largest: int,
+        stream: Stream,
+        after: Stream | None,
+    ) -> None:
         # the filling stream gathers (GPU->CPU) or moves pieces in (CPU->GPU); the job's own
         # stream drains them (moves out, or scatters) and so ends the job after its last piece
         fill, drain = self._fill_stream, stream
         assert fill is not None
-        used = [(self._next + p) % len(self._ring) for p in range(plan.pieces)]
-        self._next = (self._next + plan.pieces) % len(self._ring)
-        bases = np.array([self._ring[b].memory.data_ptr() for b in used], dtype=np.int64)
-        kernel_table, runs = staged_tables(batch, plan, bases, self._gpu_to_cpu)
-        largest = plan.largest_copy
         if self._gpu_to_cpu and after is not None:
             fill.wait_stream(after)
-        copies, run_starts = plan.copy_piece_starts, plan.run_piece_starts
         for piece, b in enumerate(used):
             buffer = self._ring[b]
             first, count = int(copies[piece]), int(copies[piece + 1] - copies[piece])
@@ -131,7 +190,6 @@ class StagedBackend(CopyBackend):
             else:
                 self._kernel.launch(kernel_table, first, count, largest, drain.cuda_stream)
             buffer.free.record(drain)
-        return (kernel_table, runs)
 
 
 def staged_tables(

@@ -1,0 +1,143 @@
+"""Uniform jobs (kvshm.transfer.uniform): which layouts qualify, which specs take the short
+path (any other goes to the general planner, which names what is wrong), and tables that move
+every byte where the general planner's direct copies would (memmove, no GPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvshm.transfer import CanonicalKVCacheRef, CPULoadStoreSpec, GPULoadStoreSpec
+from kvshm.transfer.pointers import RowGeometry
+from kvshm.transfer.uniform import UniformLayout, uniform_tables
+
+from .test_staging import CELL, PAGE, ROW, ROWS, TENSORS, apply, handlers  # noqa: F401
+
+GPU_ROWS = 48
+
+
+def gpu_views(pages: list[int]) -> list[RowGeometry]:
+    return [
+        RowGeometry((1 << 40) + (t << 32), page, page, GPU_ROWS) for t, page in enumerate(pages)
+    ]
+
+
+def cpu_views(pages: list[int], stride: int = ROW, base: int = 1 << 30) -> list[RowGeometry]:
+    offsets = np.cumsum([0, *pages[:-1]])
+    return [
+        RowGeometry(base + int(o), stride, p, ROWS) for o, p in zip(offsets, pages, strict=True)
+    ]
+
+
+def refs(pages: list[int]) -> list[list[CanonicalKVCacheRef]]:
+    return [[CanonicalKVCacheRef(t, page) for t, page in enumerate(pages)]]
+
+
+def test_back_to_back_pages_of_one_group_make_a_uniform_layout() -> None:
+    pages = [PAGE, 2 * PAGE, PAGE]  # sizes may differ
+    layout = UniformLayout.of(gpu_views(pages), cpu_views(pages), 1, refs(pages))
+    assert layout is not None
+    assert layout.block_bytes == 4 * PAGE and layout.refs == 3
+    assert layout.cell_offset.tolist() == [0, PAGE, 3 * PAGE]
+    assert (layout.gpu_rows, layout.cpu_rows) == (GPU_ROWS, ROWS)
+    # the refs' order does not matter: the cell's does
+    shuffled = [[refs(pages)[0][2], refs(pages)[0][0], refs(pages)[0][1]]]
+    again = UniformLayout.of(gpu_views(pages), cpu_views(pages), 1, shuffled)
+    assert again is not None and again.cell_offset.tolist() == [0, PAGE, 3 * PAGE]
+
+
+def test_other_layouts_take_the_general_path() -> None:
+    pages = [PAGE] * TENSORS
+    gpu, cpu = gpu_views(pages), cpu_views(pages)
+    assert UniformLayout.of(gpu, cpu, 2, refs(pages)) is None  # two blocks per chunk
+    two_groups = [refs(pages)[0][:2], refs(pages)[0][2:]]
+    assert UniformLayout.of(gpu, cpu, 1, two_groups) is None
+    gap = cpu[:2] + [RowGeometry(c.base + 64, c.row_stride, c.row_width, ROWS) for c in cpu[2:]]
+    assert UniformLayout.of(gpu, gap, 1, refs(pages)) is None  # not back to back
+    strides = [*cpu[:3], RowGeometry(cpu[3].base, 2 * ROW, PAGE, ROWS)]
+    assert UniformLayout.of(gpu, strides, 1, refs(pages)) is None
+    half = [[CanonicalKVCacheRef(t, PAGE // 2) for t in range(TENSORS)]]
+    assert UniformLayout.of(gpu, cpu, 1, half) is None  # pages narrower than their views
+    assert UniformLayout.of(gpu, cpu, 1, [[]]) is None
+
+
+@pytest.fixture
+def layout() -> UniformLayout:
+    pages = [PAGE] * TENSORS
+    made = UniformLayout.of(gpu_views(pages), cpu_views(pages), 1, refs(pages))
+    assert made is not None
+    return made
+
+
+def test_a_valid_job_is_read_both_ways(layout: UniformLayout) -> None:
+    gpu = GPULoadStoreSpec([3, 1, 2], [3], [5])
+    cpu = CPULoadStoreSpec([7, 0, 63])
+    for spec, gpu_to_cpu in (((gpu, cpu), True), ((cpu, gpu), False)):
+        job = layout.job(spec, gpu_to_cpu)
+        assert job is not None
+        assert job.gpu_ids.tolist() == [3, 1, 2] and job.cpu_ids.tolist() == [7, 0, 63]
+        assert job.total_bytes == 3 * CELL
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        (GPULoadStoreSpec([1, 2], [2], [0]), CPULoadStoreSpec([1])),  # one CPU id short
+        (GPULoadStoreSpec([1, 2], [1], [0]), CPULoadStoreSpec([1, 2])),  # group size
+        (GPULoadStoreSpec([1, 2], [1, 1], [0, 0]), CPULoadStoreSpec([1, 2])),  # two groups
+        (GPULoadStoreSpec([1, GPU_ROWS], [2], [0]), CPULoadStoreSpec([1, 2])),  # GPU range
+        (GPULoadStoreSpec([1, 2], [2], [0]), CPULoadStoreSpec([1, ROWS])),  # CPU range
+        (GPULoadStoreSpec([1, 2], [2], [-1]), CPULoadStoreSpec([1, 2])),
+        (GPULoadStoreSpec([], [0], [0]), CPULoadStoreSpec([])),  # nothing to move
+        (CPULoadStoreSpec([1]), GPULoadStoreSpec([1], [1], [0])),  # sides swapped
+        (GPULoadStoreSpec([1], [1], [0]), GPULoadStoreSpec([1], [1], [0])),
+        "not a pair",
+    ],
+)
+def test_anything_else_goes_to_the_general_planner(layout: UniformLayout, spec: Any) -> None:
+    assert layout.job(spec, True) is None
+
+
+@pytest.mark.parametrize("gpu_to_cpu", [True, False], ids=["store", "load"])
+@pytest.mark.parametrize("blocks_per_piece", [1, 3, 64])
+def test_uniform_tables_move_every_byte_the_general_planner_moves(
+    handlers: dict[bool, Any],  # noqa: F811
+    gpu_to_cpu: bool,
+    blocks_per_piece: int,
+) -> None:
+    handler = handlers[gpu_to_cpu]
+    gpu = [RowGeometry.of(t) for t in handler.gpu_tensors]
+    cpu = [RowGeometry.of(t) for t in handler.cpu_tensors]
+    layout = UniformLayout.of(gpu, cpu, 1, handler.kv_cache_groups_data_refs)
+    assert layout is not None
+    rng = np.random.default_rng(blocks_per_piece)
+    gpu_ids, cpu_ids = rng.permutation(ROWS)[:20], rng.permutation(ROWS)[:20]
+    pair = (GPULoadStoreSpec(gpu_ids, [20], [0]), CPULoadStoreSpec(cpu_ids))
+    spec: tuple[Any, Any] = pair if gpu_to_cpu else pair[::-1]
+    target = handler.cpu_tensors if gpu_to_cpu else handler.gpu_tensors
+    before = [t.clone() for t in target]
+    apply(handler._planner.plan(spec).rows)  # the general planner's direct copies
+    direct = [t.clone() for t in target]
+    for tensor, saved in zip(target, before, strict=True):
+        tensor.copy_(saved)
+    assert any(not a.equal(b) for a, b in zip(direct, before, strict=True))
+
+    job = layout.job(spec, gpu_to_cpu)
+    assert job is not None
+    pieces = -(-20 // blocks_per_piece)
+    buffers = [np.zeros(blocks_per_piece * CELL, dtype=np.uint8) for _ in range(pieces)]
+    bases = np.array([b.ctypes.data for b in buffers], dtype=np.int64)
+    tables = uniform_tables(layout, job, bases, blocks_per_piece, gpu_to_cpu)
+    assert tables.runs.shape == (3, 20) and set(tables.runs[2].tolist()) == {CELL}
+    assert tables.run_piece_starts.tolist()[-1] == 20
+    assert tables.copy_piece_starts.tolist() == (tables.run_piece_starts * TENSORS).tolist()
+    if gpu_to_cpu:  # gather into the buffers, then the cells out to the region
+        apply(tables.kernel)
+        apply(tables.runs)
+    else:  # the cells into the buffers, then scatter
+        apply(tables.runs)
+        apply(tables.kernel)
+    for staged, expected in zip(target, direct, strict=True):
+        assert staged.equal(expected)
