@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -208,7 +209,7 @@ def build_vllm(kv: Any, chunks: int, cell: int, workers: int) -> Built:
     return Built(worker, seconds, worker.shutdown, {"pinned": region.is_pinned})
 
 
-CALIBRATE: list[Any] = []  # a ChoiceCache when --calibrate asks (c) to measure its backends
+CALIBRATE: list[Any] = []  # (c)'s ChoiceCache (fresh per run): the plugin measures by default
 
 
 def build_plugin(kv: Any, chunks: int, cell: int, workers: int) -> Built:
@@ -348,6 +349,7 @@ def bench_layout(layout: KvLayout, args: argparse.Namespace, compute: Compute) -
                 row["plugin_pinned"] = bool(pin and pin.pinned)
                 row["plugin_backends"] = built.worker.handler_backends()
                 row["plugin_calibrated"] = built.worker.chosen_backends
+                row["plugin_calibration_s"] = built.worker.calibration_seconds
             else:
                 row["vllm_pinned"] = built.notes["pinned"]
             row[name] = measure(built, jobs, compute, args.reps)
@@ -380,6 +382,7 @@ def bench_start(gib: float) -> dict[str, Any]:
                 row["plugin_first_store_s"] = time.perf_counter() - first
                 row["plugin_first_transfer_waited_s"] = built.worker.first_transfer_wait_seconds
                 row["plugin_registration_s"] = built.worker.pin.pin_seconds
+                row["plugin_calibration_s"] = built.worker.calibration_seconds
         finally:
             built.close()
     row["blocking_ratio"] = row["vllm_blocking_s"] / row["plugin_blocking_s"]
@@ -390,7 +393,9 @@ def bench_start(gib: float) -> dict[str, Any]:
         f"({row['blocking_ratio']:.0f}x less), registration {row['plugin_registration_s']:.2f}s "
         f"in the background; its first store took {row['plugin_first_store_s']:.2f}s, of which "
         f"{row['plugin_first_transfer_waited_s']:.2f}s waiting for the registration (started "
-        f"at once here: in an engine, model loading runs meanwhile)"
+        f"at once here: in an engine, model loading runs meanwhile) and "
+        f"{row.get('plugin_calibration_s') or 0:.2f}s measuring the copy backends (once per host "
+        f"and layout)"
     )
     return row
 
@@ -432,7 +437,10 @@ def print_layout(row: dict[str, Any], peak: dict[str, Any]) -> None:
     if "plugin_backends" in row:
         print(f"plugin backends: {row['plugin_backends']}")
     if row.get("plugin_calibrated"):
-        print(f"plugin backends chosen by measurement: {row['plugin_calibrated']}")
+        print(
+            f"plugin backends chosen by measurement: {row['plugin_calibrated']} (measured in "
+            f"{row.get('plugin_calibration_s') or 0:.2f}s of the first transfer)"
+        )
 
 
 def main() -> None:
@@ -443,9 +451,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument(
-        "--calibrate",
+        "--no-calibrate",
         action="store_true",
-        help="(c) measures its backends at its first transfer (kvshm_calibrate), fresh cache",
+        help="(c) chooses its backends by block size instead of measuring them at its first "
+        "transfer (the plugin's default, kvshm_calibrate, with a fresh cache here)",
     )
     parser.add_argument(
         "--start-gib", type=float, default=64.0, help="region for the start-up figure (0: skip)"
@@ -457,10 +466,12 @@ def main() -> None:
     if not layouts:
         sys.exit(f"no layout matches {args.layouts!r}: {[x.name for x in REAL_LAYOUTS]}")
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
-    if args.calibrate:
+    if not args.no_calibrate:
         from kvshm.vllm.calibration import ChoiceCache
 
         CALIBRATE.append(ChoiceCache(Path(tempfile.mkdtemp(prefix="kvshm-bench-choices-"))))
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("kvshm.vllm.calibration").setLevel(logging.INFO)
     import vllm
 
     print(f"vLLM {vllm.__version__} from {Path(vllm.__file__).parent}")

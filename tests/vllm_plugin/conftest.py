@@ -41,3 +41,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
         {"cpu_bytes_to_use": NUM_CHUNKS * CPU_PAGE, "blocks_per_chunk": BLOCKS_PER_CHUNK},
     )
     return Engine(engine_id, vllm_config(write_model(tmp_path_factory.mktemp("model")), flags))
+
+
+@pytest.fixture(autouse=True)
+def calibration_cache_home(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin measures its copy backends by default and caches the choice under
+    $XDG_CACHE_HOME: each test gets its own, so none reads another's choice or writes to ~."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -1,5 +1,6 @@
-"""kvshm_calibrate: each direction's backend measured once per host and layout, then cached.
-On a CPU machine the only backend is memmove; a GPU machine measures dma, kernel and staged."""
+"""kvshm_calibrate (on by default): the store and load backends measured once per host and
+layout, one way and both ways at once, then cached. On a CPU machine the only backend is
+memmove; a GPU machine measures dma, kernel and staged (tests/vllm_plugin/test_plugin_gpu.py)."""
 
 from __future__ import annotations
 
@@ -26,18 +27,19 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    timed: list[tuple[bool, str]] = []
-    real = calibration._time_backend
+    measured: list[calibration.Measurement] = []
+    real = calibration.measure
 
-    def counting(make: Any, gpu_to_cpu: bool, backend: str, *rest: Any) -> float:
-        timed.append((gpu_to_cpu, backend))
-        return real(make, gpu_to_cpu, backend, *rest)
+    def counting(*args: Any, **kwargs: Any) -> calibration.Measurement:
+        measured.append(real(*args, **kwargs))
+        return measured[-1]
 
-    monkeypatch.setattr(calibration, "_time_backend", counting)
+    monkeypatch.setattr(calibration, "measure", counting)
     kv = canonical_kv_caches(KvLayout("tiny", TINY_LAYERS, TINY_PAGE), GPU_BLOCKS, "cpu")
     for attempt in range(2):
         spec = spec_of(engine)
-        spec.settings = dataclasses.replace(spec.settings, calibrate=True, cache_dir=str(tmp_path))
+        assert spec.settings.calibrate, "calibration is on by default"
+        spec.settings = dataclasses.replace(spec.settings, cache_dir=str(tmp_path))
         worker = spec.get_worker(kv)
         job = Job([1, 2, 3], [4, 5], [3], [1])
         assert worker.submit_store(1, *job.specs())
@@ -45,11 +47,66 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(
         assert worker.chosen_backends == {"store": "cpu", "load": "cpu"}
         worker.shutdown()
         if attempt == 0:
-            assert sorted(timed) == [(False, "cpu"), (True, "cpu")]
-    assert len(timed) == 2, "the second start measured again instead of reading the cache"
+            (first,) = measured
+            assert set(first.alone) == {"store", "load"}
+            assert set(first.both) == {("cpu", "cpu")}
+            assert all(0 < t < float("inf") for t in first.alone["store"].values())
+    assert len(measured) == 1, "the second start measured again instead of reading the cache"
     saved = json.loads((tmp_path / "backend-choices.json").read_text())
     key = layout_key([TINY_PAGE] * TINY_LAYERS, 2)
     assert saved[host_key(kv.tensors[0].tensor.device)][key] == {"store": "cpu", "load": "cpu"}
+
+
+def test_the_pair_with_least_time_over_one_way_and_both_ways_wins() -> None:
+    # staged wins each direction alone by a little but both ways at once by far less than dma
+    measured = calibration.Measurement(
+        alone={
+            "store": {"dma": 1.02, "staged": 1.00, "kernel": 1.10},
+            "load": {"dma": 1.01, "staged": 1.00, "kernel": 1.20},
+        },
+        both={
+            ("dma", "dma"): 1.10,
+            ("dma", "staged"): 1.40,
+            ("staged", "dma"): 1.40,
+            ("staged", "staged"): 1.50,
+            ("kernel", "kernel"): 1.60,
+            ("dma", "kernel"): 1.50,
+            ("kernel", "dma"): 1.50,
+            ("staged", "kernel"): 1.50,
+            ("kernel", "staged"): 1.50,
+        },
+    )
+    assert measured.choice() == {"store": "dma", "load": "dma"}
+    # where both ways costs the same, the faster one-way backends win
+    even = dataclasses.replace(measured, both=dict.fromkeys(measured.both, 1.0))
+    assert even.choice() == {"store": "staged", "load": "staged"}
+    # a rank that never stores chooses its loads alone
+    loads_only = calibration.Measurement(alone={"load": measured.alone["load"]}, both={})
+    assert loads_only.choice() == {"load": "staged"}
+
+
+def test_a_failed_job_is_never_chosen() -> None:
+    measured = calibration.Measurement(
+        alone={"store": {"dma": 1.0, "kernel": float("inf")}, "load": {"dma": 1.0}},
+        both={("dma", "dma"): 2.0, ("kernel", "dma"): float("inf")},
+    )
+    assert measured.choice() == {"store": "dma", "load": "dma"}
+
+
+def test_workload_moves_every_scratch_block_once_and_half_each_way() -> None:
+    work = calibration.Workload.of(
+        scratch_blocks=100, num_chunks=1000, groups=2, blocks_per_chunk=2
+    )
+    every = [b for gpu, _ in work.every for b in gpu.block_ids]
+    assert sorted(every) == list(range(len(every))) and len(every) == 96  # 3 pairs of 16-job
+    assert all(len(gpu.block_ids) == 16 for gpu, _ in work.every)
+    assert all(len(cpu.block_ids) == 8 for _, cpu in work.every)  # 2 blocks per chunk
+    stored = {b for gpu, _ in work.stores for b in gpu.block_ids}
+    loaded = {b for gpu, _ in work.loads for b in gpu.block_ids}
+    assert len(stored) == len(loaded) == 48 and not stored & loaded
+    assert all(list(gpu.group_sizes) == [16, 0] for gpu, _ in work.every)
+    tiny = calibration.Workload.of(scratch_blocks=2, num_chunks=1, groups=1, blocks_per_chunk=1)
+    assert [len(g.block_ids) for g, _ in tiny.every] == [1]
 
 
 def test_the_cache_keeps_other_layouts_and_survives_a_broken_file(tmp_path: Path) -> None:
@@ -60,4 +117,4 @@ def test_the_cache_keeps_other_layouts_and_survives_a_broken_file(tmp_path: Path
     cache.put("host", "b", {"store": "staged", "load": "dma"})
     assert cache.get("host", "a") == {"store": "dma", "load": "kernel"}
     assert cache.get("other-host", "a") is None
-    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1"
+    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v2"

@@ -1,23 +1,28 @@
 """Choosing each direction's copy backend from a short measurement on this host, cached per
-host and layout (opt-in: kvshm_calibrate).
+host and layout (kvshm_calibrate, on by default).
 
 The measurement runs once, at the worker's first transfer, before that transfer: every backend
-the handler could use moves the same jobs between scratch GPU blocks (never the engine's KV
+the handlers could use moves the same jobs between scratch GPU blocks (never the engine's KV
 cache) and this worker's own cells of the region, which hold nothing yet (vLLM's CPU tier
-starts empty and its first job is a store). The fastest backend per direction is kept in a
+starts empty and its first job is a store): stores alone, loads alone, and every pair of store
+and load backends both ways at once. The pair with the least time over the three is kept in a
 JSON file keyed by host (name, GPU, driver) and layout (page sizes, blocks_per_chunk), so later
 starts on the host reuse it without measuring.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import logging
 import os
 import socket
+import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +32,18 @@ from kvshm.transfer import CPULoadStoreSpec, GPULoadStoreSpec, SingleDirectionOf
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvshm"
-SCRATCH_BYTES = 64 * 1024 * 1024  # GPU memory the measurement borrows, at most
-REPS = 3
+
+def default_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/kvshm, else ~/.cache/kvshm (read when a cache is made, not at import)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvshm"
+
+
+SCRATCH_BYTES = 256 * 1024 * 1024  # GPU memory the measurement borrows, at most...
+MIN_SCRATCH_BYTES = 16 * 1024 * 1024  # ...and at least (but a quarter of what is free)
+MAX_SCRATCH_BLOCKS = 1024
+JOB_BLOCKS = 16  # blocks per job: a request's few hundred tokens, as the benchmark moves them
+REPS = 5  # medians of this many rounds
+CACHE_VERSION = 2  # choices measured one way only (version 1) are measured again
 
 HandlerFactory = Callable[
     [bool, str | None, Sequence[torch.Tensor]], SingleDirectionOffloadingHandler
@@ -48,14 +62,14 @@ def host_key(device: torch.device) -> str:
 
 def layout_key(pages: Sequence[int], blocks_per_chunk: int) -> str:
     distinct = sorted(set(pages))
-    return f"{len(pages)}x{'+'.join(map(str, distinct))}B/bpc{blocks_per_chunk}"
+    return f"{len(pages)}x{'+'.join(map(str, distinct))}B/bpc{blocks_per_chunk}/v{CACHE_VERSION}"
 
 
 class ChoiceCache:
     """{host: {layout: {"store": backend, "load": backend}}} in one JSON file."""
 
-    def __init__(self, directory: Path = DEFAULT_CACHE) -> None:
-        self.path = directory / "backend-choices.json"
+    def __init__(self, directory: Path | None = None) -> None:
+        self.path = (directory or default_cache_dir()) / "backend-choices.json"
 
     def load(self) -> dict[str, dict[str, dict[str, str]]]:
         try:
@@ -79,46 +93,183 @@ class ChoiceCache:
 
 def _scratch(gpu_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     per_block = sum(t.shape[1] for t in gpu_tensors)
-    blocks = max(2, min(64, SCRATCH_BYTES // per_block))
+    budget = SCRATCH_BYTES
+    device = gpu_tensors[0].device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = max(MIN_SCRATCH_BYTES, min(budget, free // 4))
+    blocks = max(2, min(MAX_SCRATCH_BLOCKS, budget // per_block))
     return [
         torch.empty((blocks, t.shape[1]), dtype=torch.int8, device=t.device) for t in gpu_tensors
     ]
 
 
-def _time_backend(
+Spec = tuple[GPULoadStoreSpec, CPULoadStoreSpec]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Jobs of JOB_BLOCKS random blocks between the scratch tensors and this worker's cells:
+    each one-way run moves every scratch block once; the both-ways run stores one half of them
+    while it loads the other, the same bytes in all."""
+
+    every: list[Spec]
+    stores: list[Spec]
+    loads: list[Spec]
+
+    @classmethod
+    def of(
+        cls, scratch_blocks: int, num_chunks: int, groups: int, blocks_per_chunk: int
+    ) -> Workload:
+        rng = np.random.default_rng(0)
+        per_job = max(blocks_per_chunk, JOB_BLOCKS - JOB_BLOCKS % blocks_per_chunk)
+        blocks = min(scratch_blocks, num_chunks * blocks_per_chunk)
+        if blocks >= 2 * per_job:
+            blocks -= blocks % (2 * per_job)  # whole jobs, in both halves
+        gpu = rng.permutation(blocks)
+        cpu = rng.choice(num_chunks, -(-blocks // blocks_per_chunk), replace=False)
+
+        def jobs(first: int, last: int) -> list[Spec]:
+            out = []
+            for at in range(first, last, per_job):
+                n = min(per_job, last - at)
+                sizes = [n] + [0] * (groups - 1)  # the tensors of group 0 carry the pages
+                chunk = at // blocks_per_chunk
+                out.append(
+                    (
+                        GPULoadStoreSpec(gpu[at : at + n], sizes, [0] * groups),
+                        CPULoadStoreSpec(cpu[chunk : chunk + -(-n // blocks_per_chunk)]),
+                    )
+                )
+            return out
+
+        half = blocks // 2
+        return cls(jobs(0, blocks), jobs(0, half), jobs(half, blocks))
+
+
+def _run(
+    store: SingleDirectionOffloadingHandler | None,
+    load: SingleDirectionOffloadingHandler | None,
+    stores: Sequence[Spec],
+    loads: Sequence[Spec],
+    ids: Iterator[int],
+) -> bool:
+    """Issue the stores and loads interleaved, as an engine's steps do; wait; all succeeded?"""
+    issued: list[tuple[SingleDirectionOffloadingHandler, int]] = []
+    for i in range(max(len(stores), len(loads))):
+        if store is not None and i < len(stores):
+            gpu, cpu = stores[i]
+            issued.append((store, job := next(ids)))
+            store.transfer_async(job, gpu, cpu)
+        if load is not None and i < len(loads):
+            gpu, cpu = loads[i]
+            issued.append((load, job := next(ids)))
+            load.transfer_async(job, cpu, gpu)
+    for handler, job in issued:
+        handler.wait([job])
+    results = [r for h in {id(h): h for h, _ in issued}.values() for r in h.get_finished()]
+    return len(results) == len(issued) and all(r.success for r in results)
+
+
+def _seconds(
+    store: SingleDirectionOffloadingHandler | None,
+    load: SingleDirectionOffloadingHandler | None,
+    stores: Sequence[Spec],
+    loads: Sequence[Spec],
+    ids: Iterator[int],
+    device: torch.device,
+) -> float:
+    """Wall time of one run; infinite if any job failed."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    if not _run(store, load, stores, loads, ids):
+        return float("inf")
+    return time.perf_counter() - started
+
+
+def measure(
     make: HandlerFactory,
-    gpu_to_cpu: bool,
-    backend: str,
     scratch: Sequence[torch.Tensor],
     num_chunks: int,
     groups: int,
     blocks_per_chunk: int,
-) -> float:
-    handler = make(gpu_to_cpu, backend, scratch)
-    rng = np.random.default_rng(0)
-    blocks = min(scratch[0].shape[0], num_chunks * blocks_per_chunk)
-    sizes = [blocks] + [0] * (groups - 1)  # the tensors of group 0: enough for the pages
-    gpu = GPULoadStoreSpec(rng.permutation(blocks), sizes, [0] * groups)
-    chunks = -(-blocks // blocks_per_chunk)
-    cpu = CPULoadStoreSpec(rng.choice(num_chunks, chunks, replace=False))
-    spec = (gpu, cpu) if gpu_to_cpu else (cpu, gpu)
-    best = float("inf")
+    measure_stores: bool = True,
+) -> Measurement:
+    """Every backend each direction may use, alone; and every pair of them both ways at once."""
+    work = Workload.of(scratch[0].shape[0], num_chunks, groups, blocks_per_chunk)
+    device = scratch[0].device
+    ids = itertools.count(1)
+    directions = (("store", True), ("load", False)) if measure_stores else (("load", False),)
+    handlers: dict[str, dict[str, SingleDirectionOffloadingHandler]] = {}
     try:
+        for name, gpu_to_cpu in directions:
+            probe = make(gpu_to_cpu, None, scratch)
+            candidates = probe.backends
+            probe.shutdown()
+            handlers[name] = {b: make(gpu_to_cpu, b, scratch) for b in candidates}
+        trials: dict[tuple[str, str, str], Callable[[], float]] = {}
+        work_of = {"store": (work.every, []), "load": ([], work.every)}
+        for name, by_backend in handlers.items():
+            for backend, handler in by_backend.items():
+                store, load = (handler, None) if name == "store" else (None, handler)
+                trials[(name, backend, "")] = functools.partial(
+                    _seconds, store, load, *work_of[name], ids, device
+                )
+        if measure_stores:
+            for (s, store), (ld, load) in itertools.product(
+                handlers["store"].items(), handlers["load"].items()
+            ):
+                trials[("both", s, ld)] = functools.partial(
+                    _seconds, store, load, work.stores, work.loads, ids, device
+                )
+        # rounds over every trial, so that a clock ramp or a neighbour's burst falls on all of
+        # them alike; the first round warms up (compiles kernels, maps buffers) and is dropped
+        times: dict[tuple[str, str, str], list[float]] = {key: [] for key in trials}
         for rep in range(REPS + 1):
-            if scratch[0].is_cuda:
-                torch.cuda.synchronize(scratch[0].device)
-            started = time.perf_counter()
-            handler.transfer_async(rep, *spec)
-            handler.wait([rep])
-            seconds = time.perf_counter() - started
-            results = handler.get_finished()
-            if not all(r.success for r in results):
-                return float("inf")
-            if rep:  # the first run warms up (compiles the kernel, maps buffers)
-                best = min(best, seconds)
+            for key, trial in trials.items():
+                seconds = trial()
+                if rep:
+                    times[key].append(seconds)
+        median = {key: statistics.median(values) for key, values in times.items()}
+        alone = {
+            name: {backend: median[(name, backend, "")] for backend in by_backend}
+            for name, by_backend in handlers.items()
+        }
+        both = {(s, ld): t for (kind, s, ld), t in median.items() if kind == "both"}
     finally:
-        handler.shutdown()
-    return best
+        for by_backend in handlers.values():
+            for handler in by_backend.values():
+                handler.shutdown()
+    return Measurement(alone, both)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    alone: dict[str, dict[str, float]]
+    """{"store"|"load": {backend: seconds}} for the same bytes one way."""
+    both: dict[tuple[str, str], float]
+    """{(store backend, load backend): seconds} for the same bytes, half each way at once."""
+
+    def choice(self) -> dict[str, str]:
+        """The pair that takes least time over the three runs (stores alone, loads alone, both
+        at once): a backend that wins one way but starves the other direction loses, as on
+        hosts where one thread cannot issue two directions' small descriptors fast enough."""
+        if not self.both:
+            loads = self.alone["load"]
+            return {"load": min(loads, key=lambda b: loads[b])}
+        stores, loads = self.alone["store"], self.alone["load"]
+
+        def total(pair: tuple[str, str]) -> float:
+            return stores[pair[0]] + loads[pair[1]] + self.both[pair]
+
+        best = min(self.both, key=total)
+        return {"store": best[0], "load": best[1]}
+
+    def summary(self) -> str:
+        alone = {n: {b: round(s * 1e3, 2) for b, s in t.items()} for n, t in self.alone.items()}
+        both = {f"{s}+{ld}": round(t * 1e3, 2) for (s, ld), t in self.both.items()}
+        return f"ms alone {alone}, both ways {both}"
 
 
 def choose(
@@ -138,23 +289,21 @@ def choose(
     if cached is not None:
         log.info("kvshm: copy backends for %s on %s (cached): %s", layout, host, cached)
         return cached
+    started = time.perf_counter()
     scratch = _scratch(gpu_tensors)
-    choice: dict[str, str] = {}
-    figures: dict[str, dict[str, float]] = {}
-    for name, gpu_to_cpu in (("store", True), ("load", False)):
-        if gpu_to_cpu and not measure_stores:
-            continue
-        probe = make(gpu_to_cpu, None, scratch)
-        candidates = probe.backends
-        probe.shutdown()
-        times = {
-            b: _time_backend(make, gpu_to_cpu, b, scratch, num_chunks, groups, blocks_per_chunk)
-            for b in candidates
-        }
-        figures[name] = times
-        choice[name] = min(times, key=lambda b: times[b])
-    del scratch
-    log.info("kvshm: copy backends for %s on %s, measured %s: %s", layout, host, figures, choice)
+    try:
+        measured = measure(make, scratch, num_chunks, groups, blocks_per_chunk, measure_stores)
+    finally:
+        del scratch
+    choice = measured.choice()
+    log.info(
+        "kvshm: copy backends for %s on %s chosen in %.2f s (%s): %s",
+        layout,
+        host,
+        time.perf_counter() - started,
+        measured.summary(),
+        choice,
+    )
     if measure_stores:
         cache.put(host, layout, choice)
     return choice

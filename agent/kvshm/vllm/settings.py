@@ -42,7 +42,7 @@ class PluginSettings:
     """Force one kvshm copy backend (dma, kernel, staged); None chooses per job."""
     pin: bool
     """Register the region with CUDA (in the background; the first transfer waits for it)."""
-    calibrate: bool = False
+    calibrate: bool = True
     """Choose each direction's backend by measuring on this host (kvshm.vllm.calibration)."""
     cache_dir: str | None = None
     """Where the measured choices are kept (default ~/.cache/kvshm)."""
@@ -83,6 +83,6 @@ class PluginSettings:
             attach_timeout_s=timeout,
             backend=None if backend in (None, "", "auto") else str(backend),
             pin=_flag(extra.get(PIN_KEY, True), PIN_KEY),
-            calibrate=_flag(extra.get(CALIBRATE_KEY, False), CALIBRATE_KEY),
+            calibrate=_flag(extra.get(CALIBRATE_KEY, True), CALIBRATE_KEY),
             cache_dir=None if extra.get(CACHE_DIR_KEY) is None else str(extra[CACHE_DIR_KEY]),
         )

@@ -87,6 +87,8 @@ class KvshmOffloadingWorker(OffloadingWorker):
         """How long building the worker blocked the engine (registration runs on after it)."""
         self.first_transfer_wait_seconds: float | None = None
         """How long the first transfer waited for the CUDA registration to finish."""
+        self.calibration_seconds: float | None = None
+        """How long the first transfer spent choosing the backends (0 s-ish when cached)."""
 
     # -- handlers ------------------------------------------------------------------------
 
@@ -110,15 +112,7 @@ class KvshmOffloadingWorker(OffloadingWorker):
                 )
 
             if self._calibration is not None:
-                self.chosen_backends = choose(
-                    self._make_handler,
-                    self.gpu_tensors,
-                    self.num_chunks,
-                    len(self._refs),
-                    self.blocks_per_chunk,
-                    self._calibration,
-                    measure_stores=self._stores,
-                )
+                self.chosen_backends = self._calibrate(self._calibration)
 
             def handler(gpu_to_cpu: bool) -> SingleDirectionOffloadingHandler:
                 name = "store" if gpu_to_cpu else "load"
@@ -128,6 +122,29 @@ class KvshmOffloadingWorker(OffloadingWorker):
             # store, load, and expedited load on its own stream: it must not queue behind loads
             self._handlers = [handler(True), handler(False), handler(False)]
         return self._handlers
+
+    def _calibrate(self, cache: ChoiceCache) -> dict[str, str]:
+        started = time.perf_counter()
+        try:
+            return choose(
+                self._make_handler,
+                self.gpu_tensors,
+                self.num_chunks,
+                len(self._refs),
+                self.blocks_per_chunk,
+                cache,
+                measure_stores=self._stores,
+            )
+        except Exception:
+            # a measurement that cannot run (no GPU memory left for its scratch blocks, say)
+            # must not stop the engine: the handlers then choose per job by the block size
+            log.warning(
+                "kvshm: could not measure the copy backends; choosing them by block size",
+                exc_info=True,
+            )
+            return {}
+        finally:
+            self.calibration_seconds = time.perf_counter() - started
 
     def _make_handler(
         self, gpu_to_cpu: bool, backend: str | None, gpu_tensors: Sequence[torch.Tensor]
