@@ -21,7 +21,7 @@ COPY agent ./agent
 COPY operator ./operator
 # the agent and operator extras only (kubernetes, kopf, prometheus-client): no torch
 RUN /opt/kvshm/bin/pip install --no-compile ".[agent,operator]" \
-    && /opt/kvshm/bin/python -c "import kvshm.agent, kvshm.operator" \
+    && /opt/kvshm/bin/python -c "import kvshm.agent.cli, kvshm.operator.main" \
     && if /opt/kvshm/bin/python -c "import torch" 2>/dev/null; then \
          echo "torch must not be in the agent/operator image" >&2; exit 1; fi \
     && /opt/kvshm/bin/python -m compileall -q /opt/kvshm/lib

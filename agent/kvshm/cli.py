@@ -6,8 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvshm.demo import add_demo_arguments, run_demo, run_demo_worker
 from kvshm.region import RegionError
-from kvshm.region.demo import add_demo_arguments, run_demo, run_demo_worker
 from kvshm.sizing.command import add_layout_arguments, run_layout
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import kubernetes
 
 from kvshm.agent.app import AgentApp, build_app
-from kvshm.agent.cli import build_parser
+from kvshm.agent.cli import parse_config
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
 from tests.operator.harness import Cluster
 
@@ -43,7 +43,7 @@ def agent_argv(kubeconfig: Path, node: str, root: Path, *extra: str) -> list[str
 @contextlib.contextmanager
 def running_agent(kubeconfig: Path, node: str, root: Path, *extra: str) -> Iterator[AgentApp]:
     """An in-process agent in a thread; stopped (releasing nothing on disk) on exit."""
-    app = build_app(build_parser().parse_args(agent_argv(kubeconfig, node, root, *extra)))
+    app = build_app(parse_config(agent_argv(kubeconfig, node, root, *extra)))
     stop = threading.Event()
     thread = threading.Thread(target=app.run, args=(stop,), daemon=True)
     thread.start()

@@ -1,5 +1,5 @@
-"""The chart's command lines are ones the real programs accept: the DaemonSet's and the
-Deployment's args go through kvshm-agent's and kvshm-operator's own argument parsers."""
+"""The chart's command lines are ones the real programs accept: the DaemonSet's args become
+kvshm-agent's validated config, the Deployment's go through kvshm-operator's own parser."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvshm.agent.cli import build_parser
-from kvshm.operator.main import parse_args
+from kvshm.agent.cli import parse_config
+from kvshm.operator.config import PeeringMode
+from kvshm.operator.main import config_from, parse_args
 from tests.charts.rendering import EXAMPLE_VALUES, find, render, values_id
 
 ALL_OPTIONS = (
@@ -33,19 +34,19 @@ def test_agent_args_parse(values: Path | None) -> None:
     container = _container("DaemonSet", "-agent", values=values)
     assert container["command"] == ["kvshm-agent"]
     args = [a.replace("$(NODE_NAME)", "gpu-1") for a in container["args"]]  # type: ignore[attr-defined]
-    parsed = build_parser().parse_args(args)
-    assert parsed.node_name == "gpu-1" and parsed.local is None
-    assert parsed.root == "/dev/shm/kvshm" and parsed.port == 9464
+    config = parse_config(args, environ={})
+    assert config.node_name == "gpu-1" and config.local is None
+    assert config.root == "/dev/shm/kvshm" and config.port == 9464
 
 
 def test_agent_options_reach_the_agent() -> None:
     container = _container("DaemonSet", "-agent", sets=ALL_OPTIONS)
     args = [a.replace("$(NODE_NAME)", "gpu-1") for a in container["args"]]  # type: ignore[attr-defined]
-    parsed = build_parser().parse_args(args)
-    assert parsed.proc_scan is True
-    assert parsed.reserve_bytes == 2 * 2**30
-    assert parsed.populate_threads == 4
-    assert parsed.populate_rate == 4 * 2**30
+    config = parse_config(args, environ={})
+    assert config.proc_scan is True
+    assert config.reserve_bytes == 2 * 2**30
+    assert config.populate_threads == 4
+    assert config.populate_bytes_per_second == 4 * 2**30
 
 
 @pytest.mark.parametrize("values", EXAMPLE_VALUES, ids=values_id)
@@ -54,9 +55,10 @@ def test_operator_args_parse(values: Path | None) -> None:
     assert container["command"] == ["kvshm-operator"]
     parsed = parse_args(container["args"])  # type: ignore[arg-type]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}  # type: ignore[attr-defined]
-    assert int(parsed.metrics_port) == ports["metrics"]
+    config = config_from(parsed, {})
+    assert config.metrics_port == ports["metrics"]
     assert parsed.liveness == f"http://0.0.0.0:{ports['health']}/healthz"
-    assert parsed.peering_mode == "standalone"
+    assert config.peering_mode is PeeringMode.STANDALONE
     chosen = {} if values is None else yaml.safe_load(values.read_text())
     assert parsed.namespace == chosen.get("operator", {}).get("watchNamespaces", [])
 
@@ -65,8 +67,9 @@ def test_operator_options_reach_the_operator() -> None:
     container = _container("Deployment", "-operator", sets=ALL_OPTIONS)
     parsed = parse_args(container["args"])  # type: ignore[arg-type]
     assert parsed.namespace == ["serving", "batch"]
-    assert parsed.orphan_dry_run is True
-    assert float(parsed.orphan_grace_seconds) == 600
+    config = config_from(parsed, {})
+    assert config.orphan_dry_run is True
+    assert config.orphan_grace_seconds == 600
 
 
 def test_log_levels_reach_both_programs() -> None:
@@ -74,5 +77,5 @@ def test_log_levels_reach_both_programs() -> None:
     agent = _container("DaemonSet", "-agent", sets=sets)
     operator = _container("Deployment", "-operator", sets=sets)
     agent_args = [a.replace("$(NODE_NAME)", "n") for a in agent["args"]]  # type: ignore[attr-defined]
-    assert build_parser().parse_args(agent_args).log_level == "debug"
+    assert parse_config(agent_args, environ={}).log_level == "debug"
     assert parse_args(operator["args"]).log_level == "warning"  # type: ignore[arg-type]

@@ -22,11 +22,12 @@ from kopf.testing import KopfRunner
 
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
 from kvshm.operator.config import ENV_PREFIX, OperatorConfig
-from kvshm.operator.main import register
+from kvshm.operator.wiring import register
 from tests.envtest.fixtures import CHART_NAMESPACE
 from tests.waiting import wait_for
 
 NAMESPACE = "team"
+KOPF_RUN_MODULE = "kvshm.operator.kopf_run"
 
 # Fast enough for tests, slow enough for a 2-core CI machine under load.
 TEST_CONFIG = OperatorConfig(
@@ -203,16 +204,21 @@ class Agent:
 
 @contextmanager
 def operator_in_thread(config: OperatorConfig = TEST_CONFIG) -> Iterator[KopfRunner]:
-    """The operator through kopf's own CLI and test runner (kopf.testing.KopfRunner)."""
+    """The operator as `kopf run -m kvshm.operator.kopf_run` runs it, through kopf's own CLI and
+    test runner (kopf.testing.KopfRunner): config reaches it only as KVSHM_OPERATOR_* variables,
+    read when kopf's CLI imports the module into a fresh default registry."""
     env = config_environment(config)
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
+    previous_registry = kopf.get_default_registry()
+    kopf.set_default_registry(kopf.OperatorRegistry())
+    sys.modules.pop(KOPF_RUN_MODULE, None)  # imported again: registers with this config
     try:
-        registry = register(kopf.OperatorRegistry(), config)
-        args = ["run", "--standalone", "--all-namespaces", "-m", "kvshm.operator"]
-        with KopfRunner(args, registry=registry, timeout=60) as runner:
+        args = ["run", "--standalone", "--all-namespaces", "-m", KOPF_RUN_MODULE]
+        with KopfRunner(args, timeout=60) as runner:
             yield runner
     finally:
+        kopf.set_default_registry(previous_registry)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -1,15 +1,15 @@
-"""Assembling an agent from its command line: root, source and sink, reconciler, loop, server.
+"""Assembling an agent from its config: root, source and sink, reconciler, loop, server.
 
 The CLI and the tests build agents here, so what the tests run is what `kvshm-agent` runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import threading
 from dataclasses import dataclass
 from datetime import datetime
 
+from kvshm.agent.config import AgentConfig
 from kvshm.agent.errors import describe
 from kvshm.agent.eventwriter import IsolatedEventQueues
 from kvshm.agent.holders import HoldChecker
@@ -32,7 +32,7 @@ class AgentStartError(Exception):
 
 @dataclass
 class AgentApp:
-    args: argparse.Namespace
+    config: AgentConfig
     root: RegionRoot
     metrics: AgentMetrics
     reconciler: NodeReconciler
@@ -40,19 +40,21 @@ class AgentApp:
     server: AgentHttpServer | None
 
     def banner(self) -> str:
-        mode = f"local mode, regions from {self.args.local}" if self.args.local else "cluster mode"
+        local = self.config.local
+        mode = f"local mode, regions from {local}" if local is not None else "cluster mode"
         where = ""
         if self.server is not None:
             host, port = self.server.server_address[:2]
             where = f", metrics on http://{host!s}:{port}/metrics"
         return (
             f"kvshm-agent {agent_version()}: {mode}, root {self.root.path}, "
-            f"node {self.args.node_name}{where}"
+            f"node {self.config.node_name}{where}"
         )
 
-    def run(self, stop: threading.Event, *, once: bool = False) -> int:
-        """Reconcile until stop (or, once, until settled). Exit code 1 if once and any region
-        failed. Nothing is released: the regions stay for the next start to adopt."""
+    def run(self, stop: threading.Event) -> int:
+        """Reconcile until stop (or, config.once, until settled). Exit code 1 if once and any
+        region failed. Nothing is released: the regions stay for the next start to adopt."""
+        once = self.config.once
         result = self.loop.run(stop, until_settled=once)
         self.loop.source.close()
         self.loop.sink.close()
@@ -65,44 +67,46 @@ class AgentApp:
         return 1 if once and failed else 0
 
 
-def _settings(args: argparse.Namespace) -> ReconcilerSettings:
+def _settings(config: AgentConfig) -> ReconcilerSettings:
     return ReconcilerSettings(
-        reserve_bytes=args.reserve_bytes,
-        drain_grace_seconds=args.drain_grace_seconds,
-        retry_seconds=args.resync_seconds,
-        hosting=HostingSettings(args.populate_threads, args.populate_rate, args.parallel_regions),
+        reserve_bytes=config.reserve_bytes,
+        drain_grace_seconds=config.drain_grace_seconds,
+        retry_seconds=config.resync_seconds,
+        hosting=HostingSettings(
+            config.populate_threads, config.populate_bytes_per_second, config.parallel_regions
+        ),
     )
 
 
 def _connect(
-    args: argparse.Namespace, metrics: AgentMetrics
+    config: AgentConfig, metrics: AgentMetrics
 ) -> tuple[RegionSource, StatusSink, dict[str, datetime]]:
     """The chosen mode's source and sink, and first-seen-unclaimed times to carry over."""
-    if args.local:
+    if config.local is not None:
         source = LocalDirectorySource(
-            args.local, args.node_name, dict(args.node_label), poll_seconds=args.poll_seconds
+            config.local, config.node_name, config.node_labels, poll_seconds=config.poll_seconds
         )
         return source, ConsoleSink(progress_seconds=1.0), {}
     # imported here: local mode never loads the kubernetes client (start-up time, memory)
     from kvshm.agent.cluster.connect import connect_cluster
 
     return connect_cluster(
-        args.node_name,
-        args.kubeconfig,
+        config.node_name,
+        config.kubeconfig,
         metrics,
         agent_version(),
-        resync_seconds=args.resync_seconds,
+        resync_seconds=config.resync_seconds,
     )
 
 
-def build_app(args: argparse.Namespace) -> AgentApp:
+def build_app(config: AgentConfig) -> AgentApp:
     try:
-        root = RegionRoot(args.root)
+        root = RegionRoot(config.root)
     except (RegionError, OSError) as exc:
         raise AgentStartError(f"cannot use the region root: {describe(exc)}") from exc
     metrics = AgentMetrics(agent_version())
     try:
-        source, sink, unclaimed_since = _connect(args, metrics)
+        source, sink, unclaimed_since = _connect(config, metrics)
     except Exception as exc:  # a bad kubeconfig, an unreachable API, RBAC: say so and stop
         root.close()
         raise AgentStartError(f"cannot start: {exc}") from exc
@@ -110,26 +114,26 @@ def build_app(args: argparse.Namespace) -> AgentApp:
     reconciler = NodeReconciler(
         root,
         IsolatedEventQueues(),
-        _settings(args),
-        holds=HoldChecker(proc_scan=args.proc_scan),
+        _settings(config),
+        holds=HoldChecker(proc_scan=config.proc_scan),
         counters=metrics,
         wake=wakeup,
     )
     reconciler.seed_unclaimed_since(unclaimed_since)
-    health = Health(stale_after_seconds=max(60.0, 3 * args.resync_seconds))
+    health = Health(stale_after_seconds=max(60.0, 3 * config.resync_seconds))
     server = None
-    if not args.no_http:
-        host = args.bind or ("127.0.0.1" if args.local else "0.0.0.0")
+    if config.serve_http:
+        host = config.http_host
         try:
-            server = serve(host, args.port, metrics.registry, health)
+            server = serve(host, config.port, metrics.registry, health)
         except OSError as exc:
             source.close()
             root.close()
             raise AgentStartError(
-                f"cannot serve /metrics on {host}:{args.port} ({exc.strerror or exc}): is another "
-                f"agent running? Use --port 0 for any free port, or --no-http"
+                f"cannot serve /metrics on {host}:{config.port} ({exc.strerror or exc}): is "
+                f"another agent running? Use --port 0 for any free port, or --no-http"
             ) from exc
     loop = AgentLoop(
-        source, reconciler, sink, metrics, health, wakeup, resync_seconds=args.resync_seconds
+        source, reconciler, sink, metrics, health, wakeup, resync_seconds=config.resync_seconds
     )
-    return AgentApp(args, root, metrics, reconciler, loop, server)
+    return AgentApp(config, root, metrics, reconciler, loop, server)

@@ -18,18 +18,22 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
 
 from kvshm.agent.app import AgentStartError, build_app
+from kvshm.agent.config import (
+    DEFAULT_PORT,
+    DEFAULT_ROOT,
+    LOG_LEVELS,
+    AgentConfig,
+    AgentConfigError,
+)
 from kvshm.agent.descriptors import raise_soft_limit
 from kvshm.agent.printable import PrintableFormatter
 from kvshm.agent.sizes import parse_bytes
 
 log = logging.getLogger("kvshm.agent")
-
-DEFAULT_ROOT = "/dev/shm/kvshm"
-DEFAULT_PORT = 9464
 
 
 def _label(text: str) -> tuple[str, str]:
@@ -64,9 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--kubeconfig", help="cluster mode: kubeconfig (default: in-cluster)")
     node = parser.add_argument_group("node")
     node.add_argument(
-        "--node-name",
-        default=os.environ.get("NODE_NAME") or socket.gethostname(),
-        help="this node's name (default: $NODE_NAME, else the host name)",
+        "--node-name", help="this node's name (default: $NODE_NAME, else the host name)"
     )
     node.add_argument(
         "--node-label",
@@ -116,22 +118,60 @@ def build_parser() -> argparse.ArgumentParser:
         "--bind", default=None, help="address to serve on (default 0.0.0.0; local 127.0.0.1)"
     )
     loop.add_argument("--no-http", action="store_true", help="serve nothing")
-    loop.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    loop.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return parser
 
 
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentConfig:
+    """The validated config of a parsed command line; the node name from the environment
+    ($NODE_NAME, else the host name) when no flag gives it."""
+    return AgentConfig(
+        node_name=args.node_name or environ.get("NODE_NAME") or socket.gethostname(),
+        local=args.local,
+        kubeconfig=args.kubeconfig,
+        node_labels=dict(args.node_label),
+        root=args.root,
+        reserve_bytes=args.reserve_bytes,
+        drain_grace_seconds=args.drain_grace_seconds,
+        populate_threads=args.populate_threads,
+        populate_bytes_per_second=args.populate_rate,
+        parallel_regions=args.parallel_regions,
+        proc_scan=args.proc_scan,
+        resync_seconds=args.resync_seconds,
+        poll_seconds=args.poll_seconds,
+        serve_http=not args.no_http,
+        bind=args.bind,
+        port=args.port,
+        once=args.once,
+        log_level=args.log_level,
+    )
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> AgentConfig:
+    """The command line (sys.argv's by default) and environment (os.environ's) as a config;
+    exits 2 with the usage and the reason on anything the agent cannot run with."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(args, os.environ if environ is None else environ)
+    except AgentConfigError as exc:
+        parser.error(str(exc))
+
+
 def run(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    config = parse_config(argv)
     if isinstance(sys.stdout, io.TextIOWrapper):  # a console in any encoding never fails a pass
         sys.stdout.reconfigure(errors="backslashreplace")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
     old_limit, limit = raise_soft_limit()  # before the event writer is spawned: it inherits it
     if limit != old_limit:
         log.info("raised the soft file descriptor limit from %d to %d", old_limit, limit)
     try:
-        app = build_app(args)
+        app = build_app(config)
     except AgentStartError as exc:
         print(f"kvshm-agent: {exc}", file=sys.stderr)
         return 2
@@ -144,7 +184,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return app.run(stop, once=args.once)
+    return app.run(stop)
 
 
 def main() -> None:

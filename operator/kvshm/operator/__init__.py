@@ -1,13 +1,7 @@
 """kvshm.operator: the kopf operator for OffloadRegions and OffloadNodes.
 
-Importing the package registers the handlers into kopf's default registry with the settings of
-the environment (KVSHM_OPERATOR_*), so `kopf run -m kvshm.operator` runs the operator; the
-`kvshm-operator` console script (kvshm.operator.main) does the same with flags.
+Importing the package (or any module but kopf_run) registers nothing and reads no environment.
+The `kvshm-operator` console script (kvshm.operator.main) registers the handlers into a registry
+of its own with its flags and KVSHM_OPERATOR_* variables; `kopf run -m kvshm.operator.kopf_run`
+registers them into kopf's default registry with the variables alone.
 """
-
-import kopf
-
-from kvshm.operator.config import OperatorConfig
-from kvshm.operator.main import register
-
-register(kopf.get_default_registry(), OperatorConfig.from_env())

@@ -37,7 +37,7 @@ class OperatorConfig:
     # How often a deleting region re-checks its nodes, and a waiting placement re-validates.
     deletion_poll_seconds: float = 2.0
     placement_retry_seconds: float = 10.0
-    # Timers (read once at import: kopf fixes a timer's interval when it is declared).
+    # Timers (read once when the handlers are registered: kopf fixes a timer's interval then).
     region_resync_seconds: float = 30.0
     node_sweep_seconds: float = 5.0
     # Runtime.

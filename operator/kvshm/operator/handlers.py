@@ -2,7 +2,7 @@
 (placement, phases, deletion, orphans, nodes) and applies the result as a patch, Events and
 metrics. Nothing here decides anything on its own, so every rule is unit-tested without kopf.
 
-The decorators are applied in kvshm.operator.main.register, with the configured intervals.
+The decorators are applied in kvshm.operator.wiring.register, with the configured intervals.
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
-"""A real local run of the region library: what the agent and a serving pod each do, timed.
+"""`kvshm demo`: a real local run of the region library, what the agent and a serving pod each
+do, timed.
 
 The "agent" step creates, populates and locks the region in this process; then one process per
 worker attaches as a serving worker would (attach-only, never creating), checks the pattern the
 agent wrote into its cells, writes its own, and reports how long attaching took.
+
+It reads OffloadRegion YAML (kvshm.api), so it lives beside the CLI, not in kvshm.region: the
+region library a serving pod imports depends on nothing of the CRDs.
 """
 
 from __future__ import annotations
