@@ -155,7 +155,9 @@ class NodeReconciler:
     def _release_unwanted(self, view: ClusterView, desired: dict[str, OffloadRegion]) -> None:
         for key, record in list(self._records.items()):
             hosted = record.hosted
-            if hosted is None or key in view.invalid:
+            if hosted is None:
+                continue
+            if key in view.invalid:
                 continue  # an unreadable spec changes nothing that exists (loses nothing)
             target = desired.get(key)
             if target is not None and target.instance_id == hosted.region.instance_id:
