@@ -5,24 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvshm.region import OpenMode, RegionFormat, RegionLayout, SharedOffloadRegion
+from kvshm.region import OpenMode, RegionLayout, SharedOffloadRegion
 
 
 def agent_made_region(
-    directory: Path,
-    instance_id: str,
-    rows: int,
-    cell: int,
-    workers: int,
-    *,
-    populate: bool,
-    region_format: RegionFormat = RegionFormat.VLLM_0_33,
-    replicated: bool = False,
+    directory: Path, instance_id: str, layout: RegionLayout, *, populate: bool
 ) -> SharedOffloadRegion:
     """The agent's way: created (never attached), sized, populated or not, left in place."""
     return SharedOffloadRegion(
         instance_id,
-        RegionLayout(rows, cell, workers, format=region_format, replicated=replicated),
+        layout,
         directory=str(directory),
         mode=OpenMode.CREATE,
         populate=populate,
@@ -31,20 +23,12 @@ def agent_made_region(
 
 
 def attach_as_worker(
-    directory: Path,
-    instance_id: str,
-    rows: int,
-    cell: int,
-    workers: int,
-    rank: int,
-    *,
-    region_format: RegionFormat = RegionFormat.VLLM_0_33,
-    replicated: bool = False,
+    directory: Path, instance_id: str, layout: RegionLayout, rank: int
 ) -> SharedOffloadRegion:
     """kvshm's attach of worker `rank` to an existing region, populating nothing."""
     return SharedOffloadRegion(
         instance_id,
-        RegionLayout(rows, cell, workers, format=region_format, replicated=replicated),
+        layout,
         rank,
         directory=str(directory),
         mode=OpenMode.ATTACH,

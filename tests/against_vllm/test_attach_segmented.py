@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.region import RegionFormat
+from kvshm.region import RegionFormat, RegionLayout
 from tests.against_vllm.patterns import pattern
 from tests.against_vllm.test_attach_with_vllm import _wait_for_files, _worker
 from tests.agent_region import agent_made_region, attach_as_worker
@@ -29,11 +29,8 @@ def test_vllm_attaches_a_segmented_padded_kvshm_region(
     rows = (2 << 30) // row + 1000  # just over 2 GiB: 2 files
     region_dir = shm_dir / "serving" / "seg"
     region_dir.mkdir(parents=True)
-    creator = agent_made_region(
-        region_dir, "seg", rows, cell, world, populate=False,
-        region_format=RegionFormat.VLLM_0_33, replicated=replicated,
-    )  # fmt: skip
-    layout = creator.layout
+    layout = RegionLayout(rows, cell, world, RegionFormat.VLLM_0_33, replicated=replicated)
+    creator = agent_made_region(region_dir, "seg", layout, populate=False)
     assert layout.row_stride == row != cell * cells and layout.file_count >= 2
     workers = []
     try:
@@ -50,10 +47,7 @@ def test_vllm_attaches_a_segmented_padded_kvshm_region(
         ]
         _wait_for_files([tmp_path / f"written.{r}" for r in range(world)], workers)
         for rank in range(cells):  # replicated: rank 0's cell is every worker's
-            mine = attach_as_worker(
-                region_dir, "seg", rows, cell, world, rank,
-                region_format=RegionFormat.VLLM_0_33, replicated=replicated,
-            )  # fmt: skip
+            mine = attach_as_worker(region_dir, "seg", layout, rank)
             try:
                 views = [mine.create_next_view(TENSOR_PAGE) for _ in range(TENSORS)]
                 for tensor, view in enumerate(views):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.region import RegionFormat
+from kvshm.region import RegionFormat, RegionLayout
 from tests.against_vllm.patterns import pattern
 from tests.against_vllm.vllm_code import HERE, vllm_env
 from tests.agent_region import agent_made_region, attach_as_worker
@@ -65,10 +65,10 @@ def _kvshm_views(
     region_dir: Path, engine_id: str, rank: int, world: int, region_format: RegionFormat,
     replicated: bool,
 ) -> Iterator[list[object]]:  # fmt: skip
-    region = attach_as_worker(
-        region_dir, engine_id, NUM_BLOCKS, TENSORS * TENSOR_PAGE, world, rank,
-        region_format=region_format, replicated=replicated,
-    )  # fmt: skip
+    layout = RegionLayout(
+        NUM_BLOCKS, TENSORS * TENSOR_PAGE, world, region_format, replicated=replicated
+    )
+    region = attach_as_worker(region_dir, engine_id, layout, rank)
     try:
         yield [region.create_next_view(TENSOR_PAGE) for _ in range(TENSORS)]
     finally:
@@ -96,10 +96,8 @@ def _exchange(
     assert cell * cells % 4096 == 0  # page-aligned rows: vLLM's padded stride is the same
     region_format = FORMATS[release]
     with ExitStack() as stack:
-        creator = agent_made_region(
-            region_dir, engine_id, NUM_BLOCKS, cell, world, populate=True,
-            region_format=region_format, replicated=replicated,
-        )  # fmt: skip
+        layout = RegionLayout(NUM_BLOCKS, cell, world, region_format, replicated=replicated)
+        creator = agent_made_region(region_dir, engine_id, layout, populate=True)
         assert creator.layout.row_stride == cell * cells
         stack.callback(creator.cleanup)
         region_file = region_dir / f"vllm_offload_{engine_id}.mmap"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from kvshm.region import RegionFormat
+from kvshm.region import RegionFormat, RegionLayout
 from tests.agent_region import agent_made_region
 from tests.charts.test_serving_example import region_files
 from tests.charts.tools import REPO
@@ -43,10 +43,8 @@ def test_a_populated_single_file_region_lets_the_pod_start(shm_dir: Path) -> Non
     rows, cell, workers = 64, 12288, 2
     code, out = _wait(shm_dir, rows, cell * workers, "vllm-0.27")
     assert code == 1 and "vllm_offload_engine_dp1.mmap is missing" in out
-    region = agent_made_region(
-        shm_dir, "engine_dp1", rows, cell, workers, populate=False,
-        region_format=RegionFormat.VLLM_0_27,
-    )  # fmt: skip
+    layout = RegionLayout(rows, cell, workers, RegionFormat.VLLM_0_27)
+    region = agent_made_region(shm_dir, "engine_dp1", layout, populate=False)
     try:
         code, out = _wait(shm_dir, rows, cell * workers, "vllm-0.27")
         assert code == 1 and f"0 of {rows * cell * workers} bytes populated" in out, out

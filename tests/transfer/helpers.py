@@ -12,20 +12,16 @@ from kvshm.region import RegionFormat, RegionLayout, SharedOffloadRegion
 from kvshm.transfer import CanonicalKVCacheRef
 
 
+def unpadded(num_blocks: int, cpu_page_size: int, num_workers: int) -> RegionLayout:
+    """These tests' tiny cells keep rows of exactly the cells (no 4096-byte padding)."""
+    return RegionLayout(num_blocks, cpu_page_size, num_workers, RegionFormat.UNPADDED)
+
+
 def open_region(
-    directory: str,
-    rank: int | None,
-    num_blocks: int,
-    cpu_page_size: int,
-    num_workers: int,
-    instance_id: str | None = None,
+    directory: str, layout: RegionLayout, rank: int | None, *, instance_id: str | None = None
 ) -> SharedOffloadRegion:
     return SharedOffloadRegion(
-        instance_id or f"t-{uuid.uuid4().hex[:12]}",
-        # unpadded: these tests' tiny cells keep rows of exactly the cells (no 4096-byte padding)
-        RegionLayout(num_blocks, cpu_page_size, num_workers, RegionFormat.UNPADDED),
-        rank,
-        directory=directory,
+        instance_id or f"t-{uuid.uuid4().hex[:12]}", layout, rank, directory=directory
     )
 
 

@@ -21,7 +21,7 @@ from kvshm.transfer import (
 )
 from kvshm.transfer.backends.kernel import KernelBackend
 
-from .helpers import open_region, placements, region_bytes
+from .helpers import open_region, placements, region_bytes, unpadded
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +42,9 @@ def regions(request: pytest.FixtureRequest) -> Iterator[list[SharedOffloadRegion
     """Four ranks of one region, each attached (and pinned) like a worker process would."""
     num_blocks, cell = request.param
     instance = f"gpu-{uuid.uuid4().hex[:12]}"
-    opened = [open_region(SHM, r, num_blocks, cell, 4, instance_id=instance) for r in range(4)]
+    opened = [
+        open_region(SHM, unpadded(num_blocks, cell, 4), r, instance_id=instance) for r in range(4)
+    ]
     yield opened
     for region in reversed(opened):
         region.cleanup()

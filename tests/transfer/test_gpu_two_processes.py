@@ -15,7 +15,7 @@ import torch
 
 import kvshm.region
 
-from .helpers import open_region, region_bytes
+from .helpers import open_region, region_bytes, unpadded
 from .two_gpu_worker import worker_data
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +34,9 @@ def test_two_ranks_on_two_gpus_interleave_their_cells() -> None:
     num_blocks, block = 32, 256 * 1024
     instance = f"two-{uuid.uuid4().hex[:12]}"
     env = {**os.environ, "PYTHONPATH": source_roots()}
-    with open_region("/dev/shm", None, num_blocks, block, 2, instance_id=instance) as region:
+    with open_region(
+        "/dev/shm", unpadded(num_blocks, block, 2), None, instance_id=instance
+    ) as region:
         workers = [
             subprocess.Popen(
                 [

@@ -23,7 +23,7 @@ from kvshm.transfer import (
 from kvshm.transfer.backends.cpu import CpuMemmoveBackend
 from kvshm.transfer.batch import CopyBatch
 
-from .helpers import open_region, placements, region_bytes
+from .helpers import open_region, placements, region_bytes, unpadded
 
 FACTOR = 4
 GPU_PAGE = 64
@@ -45,7 +45,7 @@ POISON = 0x5A
 
 @pytest.fixture
 def region(tmp_path: object) -> Iterator[SharedOffloadRegion]:
-    with open_region(str(tmp_path), 2, NUM_CPU_BLOCKS, CELL, num_workers=4) as region:
+    with open_region(str(tmp_path), unpadded(NUM_CPU_BLOCKS, CELL, 4), 2) as region:
         region_bytes(region)[:] = POISON
         yield region
 
@@ -125,7 +125,10 @@ def test_load_brings_back_what_was_stored(pair: CpuGpuOffloadingHandlers) -> Non
 
 def test_other_workers_cells_are_never_touched(tmp_path: object) -> None:
     """Four ranks attach one region and store their own data: the rows interleave exactly."""
-    ranks = [open_region(str(tmp_path), r, 8, 2 * 32, 4, instance_id="shared") for r in range(4)]
+    ranks = [
+        open_region(str(tmp_path), unpadded(8, 2 * 32, 4), r, instance_id="shared")
+        for r in range(4)
+    ]
     try:
         refs = [[CanonicalKVCacheRef(0, 32), CanonicalKVCacheRef(1, 32)]]
         data = {}

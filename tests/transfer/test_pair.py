@@ -14,11 +14,11 @@ from kvshm.transfer import (
     GPULoadStoreSpec,
 )
 
-from .helpers import open_region, region_bytes
+from .helpers import open_region, region_bytes, unpadded
 
 
 def test_views_are_this_workers_consecutive_slices_of_its_cell(tmp_path: object) -> None:
-    with open_region(str(tmp_path), 1, 6, 3 * 64, 2) as region:
+    with open_region(str(tmp_path), unpadded(6, 3 * 64, 2), 1) as region:
         gpu = [torch.zeros((4, 32), dtype=torch.int8), torch.zeros((4, 16), dtype=torch.int8)]
         refs = [[CanonicalKVCacheRef(0, 32), CanonicalKVCacheRef(1, 16)]]
         pair = CpuGpuOffloadingHandlers(gpu, region, 2, refs)
@@ -33,7 +33,7 @@ def test_views_are_this_workers_consecutive_slices_of_its_cell(tmp_path: object)
 
 
 def test_round_trip_through_both_handlers(tmp_path: object) -> None:
-    with open_region(str(tmp_path), 0, 6, 64, 1) as region:
+    with open_region(str(tmp_path), unpadded(6, 64, 1), 0) as region:
         gpu = [torch.randint(-128, 128, (4, 32), dtype=torch.int8)]
         pair = CpuGpuOffloadingHandlers(gpu, region, 2, [[CanonicalKVCacheRef(0, 32)]])
         store = (GPULoadStoreSpec([3, 1, 2], [3], [1]), CPULoadStoreSpec([5, 0]))
@@ -55,7 +55,7 @@ def test_round_trip_through_both_handlers(tmp_path: object) -> None:
 
 
 def test_tensors_that_do_not_fit_the_cell_are_refused(tmp_path: object) -> None:
-    with open_region(str(tmp_path), 0, 4, 64, 2) as region:
+    with open_region(str(tmp_path), unpadded(4, 64, 2), 0) as region:
         gpu = [torch.zeros((4, 32), dtype=torch.int8) for _ in range(3)]
         with pytest.raises(InvalidLayoutError, match="overflows worker 0's 64-byte cell by 32"):
             CpuGpuOffloadingHandlers(gpu, region, 1, [[CanonicalKVCacheRef(0, 32)]])

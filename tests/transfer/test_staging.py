@@ -21,7 +21,7 @@ from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.pointers import RowGeometry
 from kvshm.transfer.staging import StagingPlan, layout_run_bytes, plan_staging
 
-from .helpers import open_region, region_bytes
+from .helpers import open_region, region_bytes, unpadded
 
 PAGE = 1024
 TENSORS = 4
@@ -153,7 +153,7 @@ def apply(rows: np.ndarray) -> None:
 def handlers(tmp_path: object) -> Iterator[dict[bool, SingleDirectionOffloadingHandler]]:
     import torch
 
-    region = open_region(str(tmp_path), 0, ROWS, CELL, WORKERS)
+    region = open_region(str(tmp_path), unpadded(ROWS, CELL, WORKERS), 0)
     views = [region.create_next_view(PAGE) for _ in range(TENSORS)]
     gpu = [torch.randint(-128, 128, (ROWS, PAGE), dtype=torch.int8) for _ in range(TENSORS)]
     refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(TENSORS)]]

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvshm.agent.errors import ErrorReason, classify, describe
-from kvshm.agent.saferoot import RegionDir, set_owner_and_mode
+from kvshm.agent.saferoot import RegionDir, RegionRoot, set_owner_and_mode
+from kvshm.agent.sizes import format_bytes
 from kvshm.agent.throttle import RateLimit
 from kvshm.api import NodeRegionPhase, OffloadRegion
 from kvshm.region import OpenMode, RegionError, RegionLockError, SharedOffloadRegion
@@ -137,6 +138,34 @@ class HostedRegion:
             access = self.region.access
             for fd in self._shared.filenos():
                 set_owner_and_mode(fd, access.uid, access.gid, access.mode)
+
+    def still_in_place(self, root: RegionRoot) -> bool:
+        """Whether every file held is still there under its name, the same inode, its size."""
+        region = self.region
+        try:
+            region_dir = root.open_region_dir(region.namespace, region.name)
+            if region_dir is None:
+                return False
+            with region_dir:
+                found = [region_dir.lstat(name) for name in self.file_names]
+        except OSError:  # unsafe now, or unreadable: opened again, which says why
+            return False
+        # a file truncated (or grown) under the agent is no longer the Ready region it held
+        return len(found) == len(self.file_ids) and all(
+            st is not None and (st.st_dev, st.st_ino) == file_id and st.st_size == length
+            for st, file_id, length in zip(found, self.file_ids, self.file_lengths, strict=True)
+        )
+
+    def ready_message(self) -> str:
+        """The Ready event's message: where, how large, how fast it was populated, locked."""
+        status = self.status()
+        size = self.region.size_bytes
+        parts = [f"{self.path} ready ({format_bytes(size)})"]
+        if status.populate_seconds:
+            rate = size / status.populate_seconds / 1e9
+            parts.append(f"populated in {status.populate_seconds:.2f}s ({rate:.1f} GB/s)")
+        parts.append("locked" if status.locked else "not locked")
+        return ", ".join(parts)
 
     def release(self) -> None:
         """Unlock and unmap; the file stays where it is. Only once the thread has finished."""

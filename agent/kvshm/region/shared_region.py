@@ -4,28 +4,22 @@ CUDA."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import mmap
 import os
 import resource
 import time
-from enum import StrEnum
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from kvshm.region import memory, safefile
 from kvshm.region.errors import (
     InvalidLayoutError,
-    RegionAttachTimeout,
     RegionError,
-    RegionFileExistsError,
-    RegionFileMissingError,
     RegionLockError,
-    RegionSizeMismatchError,
     RegionSpaceError,
 )
+from kvshm.region.files import OpenMode, RegionFiles, check_file_mode
 from kvshm.region.layout import RegionLayout
 from kvshm.region.pinning import MAX_REGISTRATION_BYTES, CudaRegistration, cuda_runtime
 from kvshm.region.populate import (
@@ -45,26 +39,6 @@ DEFAULT_DIRECTORY = "/dev/shm"
 DEFAULT_FILE_MODE = 0o600
 DEFAULT_ATTACH_TIMEOUT_SECONDS = 30.0
 DEFAULT_POLL_SECONDS = 0.005
-
-
-class OpenMode(StrEnum):
-    CREATE_OR_ATTACH = "create_or_attach"
-    """vLLM's behaviour: the first process creates and sizes the file, the others attach."""
-    ATTACH = "attach"
-    """Never create: wait for the file someone else (the kvshm agent) creates."""
-    CREATE = "create"
-    """Always create; an existing file is an error."""
-
-
-def check_file_mode(file_mode: int) -> int:
-    if not 0 <= file_mode <= 0o777:
-        raise InvalidLayoutError(f"file mode {file_mode:#o} is not a permission mode (0-0777)")
-    if file_mode & 0o007:
-        raise InvalidLayoutError(
-            f"file mode {file_mode:#o} gives other users access to the KV cache; "
-            f"use owner and group bits only (e.g. 0600 or 0660)"
-        )
-    return file_mode
 
 
 class SharedOffloadRegion:
@@ -114,11 +88,9 @@ class SharedOffloadRegion:
         self.mmap_path = os.path.join(directory, self.file_name)
         self.mode = OpenMode(mode)
         self.file_mode = check_file_mode(file_mode)
-        self.is_creator = False
         self.populate_method: PopulateMethod | None = None
         self.populate_seconds = 0.0
         self.is_locked = False
-        self._owner = owner
         self._populate_threads = populate_threads
         self._populate_method = populate_method
         self._progress = progress
@@ -128,15 +100,15 @@ class SharedOffloadRegion:
         self._views: list[torch.Tensor] = []
         self._memoryviews: list[memoryview] = []
         self._next_view_offset = 0 if rank is None else layout.cell_start(rank)
-        self._fds = [-1] * len(self.files)
-        self._created = [False] * len(self.files)
         self._mapping: mmap.mmap | None = None
         self._cleaned = False
 
         started = time.monotonic()
-        self._dir_fd = safefile.open_directory(directory)
+        self._files = RegionFiles(
+            instance_id, self.files, directory, self.mode, self.file_mode, owner
+        )
         try:
-            self._open(attach_timeout, poll_interval)
+            self._files.open(layout.size_bytes, attach_timeout, poll_interval)
             self._map()
             self.attach_seconds = time.monotonic() - started
             if populate is None:
@@ -148,108 +120,19 @@ class SharedOffloadRegion:
             raise
 
     @property
+    def is_creator(self) -> bool:
+        """Whether this process created the region's files (O_EXCL on file 0 decided)."""
+        return self._files.is_creator
+
+    @property
+    def _fds(self) -> list[int]:
+        return self._files.fds
+
+    @property
     def _fd(self) -> int:
-        return self._fds[0]
+        return self._files.first_fd
 
-    def _path(self, index: int) -> str:
-        return os.path.join(self.directory, self.files[index].name)
-
-    # -- opening ---------------------------------------------------------------------------
-
-    def _open(self, timeout: float, poll_interval: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.mode is not OpenMode.ATTACH:
-                fd = safefile.create_exclusive(self._dir_fd, self.file_name, self.file_mode)
-                if fd is not None:
-                    self._fds[0] = fd
-                    self._created[0] = True
-                    self.is_creator = True
-                    self._initialise_created_files()
-                    return
-                if self.mode is OpenMode.CREATE:
-                    raise FileExistsError(
-                        errno.EEXIST,
-                        f"{self.mmap_path} already exists and mode 'create' never attaches: "
-                        f"use mode 'attach' or 'create_or_attach', or another instance id",
-                    )
-            try:
-                self._fds[0] = safefile.open_existing(self._dir_fd, self.file_name, self.mmap_path)
-            except FileNotFoundError:
-                # attach: not created yet; create_or_attach: the creator gave up and removed it
-                self._sleep_or_timeout(deadline, poll_interval, "did not appear")
-                continue
-            if self._hold_shared() and safefile.is_same_file(
-                self._dir_fd, self.file_name, self._fd
-            ):
-                self._wait_for_size(deadline, poll_interval)
-                self._open_other_files()
-                return
-            # the file was removed or replaced while we opened it: start over
-            os.close(self._fd)
-            self._fds[0] = -1
-            self._sleep_or_timeout(deadline, poll_interval, "was being replaced")
-
-    def _sleep_or_timeout(self, deadline: float, poll_interval: float, what: str) -> None:
-        if time.monotonic() >= deadline:
-            raise RegionAttachTimeout(
-                f"region file {self.mmap_path} {what} in time. If the kvshm agent provides it, "
-                f"check that an OffloadRegion with instanceId {self.instance_id!r} is placed on "
-                f"this node and Ready (kubectl get offloadregions), and that its directory is "
-                f"mounted at {self.directory}."
-            )
-        time.sleep(poll_interval)
-
-    def _hold_shared(self) -> bool:
-        """Take a shared flock on file 0: attached processes are visible to the agent."""
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # the agent holds it exclusively only while it removes the region
-        return True
-
-    def _initialise_created_files(self) -> None:
-        size = self.layout.size_bytes
-        fcntl.flock(self._fd, fcntl.LOCK_SH)
-        if self._owner is not None:
-            os.fchown(self._fd, *self._owner)
-        free = safefile.free_bytes(self._fd)
-        if free < size:
-            raise RegionSpaceError(self.mmap_path, size, free, "checked before creating it")
-        for index in range(1, len(self.files)):
-            fd = safefile.create_exclusive(self._dir_fd, self.files[index].name, self.file_mode)
-            if fd is None:
-                raise RegionFileExistsError(self._path(index), self.mmap_path)
-            self._fds[index] = fd
-            self._created[index] = True
-            if self._owner is not None:
-                os.fchown(fd, *self._owner)
-            os.ftruncate(fd, self.files[index].length)
-        # attachers wait for file 0 to reach its size, so it is sized last
-        os.ftruncate(self._fd, self.files[0].length)
-
-    def _wait_for_size(self, deadline: float, poll_interval: float) -> None:
-        expected = self.files[0].length
-        while True:
-            actual = os.fstat(self._fd).st_size
-            if actual == expected:
-                return
-            if actual != 0:
-                raise RegionSizeMismatchError(self.mmap_path, actual, expected)
-            self._sleep_or_timeout(deadline, poll_interval, f"did not reach {expected} bytes")
-
-    def _open_other_files(self) -> None:
-        """File 0 has its size, so its creator has made every other file: open and check them."""
-        for index in range(1, len(self.files)):
-            path, expected = self._path(index), self.files[index].length
-            try:
-                fd = safefile.open_existing(self._dir_fd, self.files[index].name, path)
-            except FileNotFoundError:
-                raise RegionFileMissingError(path, expected) from None
-            self._fds[index] = fd
-            actual = os.fstat(fd).st_size
-            if actual != expected:
-                raise RegionSizeMismatchError(path, actual, expected)
+    # -- mapping ---------------------------------------------------------------------------
 
     def _map(self) -> None:
         """Map every file, back to back, as one range: one file is mapped directly; several
@@ -290,7 +173,7 @@ class SharedOffloadRegion:
 
     def allocated_bytes(self) -> int:
         """Bytes the filesystem holds for the region's files."""
-        return sum(os.fstat(fd).st_blocks * 512 for fd in self._fds)
+        return self._files.allocated_bytes()
 
     def is_fully_allocated(self) -> bool:
         """Whether the filesystem holds every page of the files (so no access can SIGBUS)."""
@@ -481,26 +364,7 @@ class SharedOffloadRegion:
             except (BufferError, OSError) as exc:
                 log.warning("could not unmap %s (views still in use?): %s", self.mmap_path, exc)
             self._mapping = None
-        self._close_files()
-        if self._dir_fd >= 0:
-            os.close(self._dir_fd)
-            self._dir_fd = -1
-
-    def _close_files(self) -> None:
-        """Close every file; a creator removing its files removes each only while the name
-        still names the file it created (file 0 first, so no new attacher starts meanwhile)."""
-        unlink = self._will_unlink()
-        for index, fd in enumerate(self._fds):
-            if fd < 0:
-                continue
-            name = self.files[index].name
-            if unlink and self._created[index] and safefile.is_same_file(self._dir_fd, name, fd):
-                try:
-                    os.unlink(name, dir_fd=self._dir_fd)
-                except OSError as exc:
-                    log.warning("could not remove %s: %s", self._path(index), exc)
-            os.close(fd)
-            self._fds[index] = -1
+        self._files.close(unlink=self._will_unlink())
 
     def __enter__(self) -> SharedOffloadRegion:
         return self
