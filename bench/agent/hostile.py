@@ -243,9 +243,9 @@ for _ in range(3):
     started = time.monotonic()
     result = reconciler.reconcile(view)
     times.append(time.monotonic() - started)
-status = json.dumps({"files": [f.to_status() for f in result.inventory.files]})
+status = json.dumps({"files": [f.to_status() for f in result.root_scan.inventory.files]})
 print(json.dumps({"pass_s": round(min(times), 3), "status_bytes": len(status),
-    "problems_bytes": len("; ".join(result.inventory.problems)),
+    "problems_bytes": len("; ".join(result.root_scan.problems)),
     "peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
 """
 

@@ -19,8 +19,7 @@ from typing import Any
 
 import kubernetes
 
-from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
-from kvshm.region import region_file_name
+from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION, RegionAddress
 
 CAPACITY = 2**40
 
@@ -160,10 +159,13 @@ class Fleet:
 
     def _report(self, obj: dict[str, Any], node: str, wanted: str) -> None:
         meta, spec = obj["metadata"], obj.get("spec") or {}
-        key = f"{meta['namespace']}/{meta['name']}"
+        address = RegionAddress(
+            meta["namespace"], meta["name"], spec.get("instanceId") or meta["name"]
+        )
+        key = address.key
         layout = spec["layout"]
         size = layout["numBlocks"] * layout["cpuPageSize"] * layout.get("numWorkers", 1)
-        path = f"{key}/{region_file_name(spec.get('instanceId') or meta['name'])}"
+        path = address.file_0_path
         try:
             if wanted == "Ready":
                 self._patch_region(meta, node, {"phase": "Creating", "path": path})

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,11 @@ from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.reports import PassResult
 from kvshm.agent.saferoot import RegionDir, RegionRoot
 from kvshm.agent.view import ClusterView, KnownRegion
-from kvshm.api import OffloadRegion, parse_offload_region
+from kvshm.api import OffloadRegion, ReclaimRequest, parse_offload_region
 
 MIB = 1024 * 1024
 NODE = "node-a"
+WRITTEN = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 
 
 def manifest(
@@ -54,6 +56,12 @@ def region_dir(root: Path, key: str = "ns1/r1") -> Path:
     for each in (root, directory.parent):
         os.chmod(each, 0o711)
     return directory
+
+
+def reclaim(path: str, written: int = 0, size: int | None = None) -> ReclaimRequest:
+    """A spec.reclaims entry, written `written` seconds after WRITTEN (another time: a request
+    written again, which the agent executes again)."""
+    return ReclaimRequest(path, size, WRITTEN + timedelta(seconds=written), "orphaned")
 
 
 def view(*regions: OffloadRegion, deleting: tuple[str, ...] = (), **kwargs: Any) -> ClusterView:

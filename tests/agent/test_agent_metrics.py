@@ -14,11 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvshm.agent.drain import DrainOutcome
 from kvshm.agent.metrics import AgentMetrics
-from kvshm.agent.reclaim import ReclaimRequest
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.saferoot import RegionRoot
 from kvshm.agent.server import Health, serve
-from tests.agent.builders import RecordingNotifier, region, region_dir, settle, view
+from tests.agent.builders import RecordingNotifier, reclaim, region, region_dir, settle, view
 from tests.agent.cluster import REPO
 
 CONTRACT = REPO / "docs" / "metrics.md"
@@ -50,7 +49,7 @@ def scraped(shm_dir: Path) -> Iterator[tuple[str, str]]:
         view(
             region("ok"),
             region("bad"),
-            reclaims=(ReclaimRequest("ns1/missing/vllm_offload_missing.mmap"),),
+            reclaims=(reclaim("ns1/missing/vllm_offload_missing.mmap"),),
         )
     )
     metrics.observe(result)

@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.agent.reclaim import ReclaimRequest
-from kvshm.agent.reports import ReclaimOutcome
 from kvshm.agent.saferoot import RegionRoot
-from kvshm.api import NodeRegionPhase
+from kvshm.api import NodeRegionPhase, ReclaimOutcome
 from kvshm.region import UnsafePathError
-from tests.agent.builders import make_reconciler, region, region_dir, settle, view
+from tests.agent.builders import make_reconciler, reclaim, region, region_dir, settle, view
 
 Snapshot = dict[str, tuple[int, int, int, int, int, bytes]]
 
@@ -173,9 +171,9 @@ def test_inventory_reports_unsafe_entries_without_opening_them(
     os.mkfifo(directory / "vllm_offload_b.mmap")
     (root / "ns1" / "elsewhere").symlink_to(outside)
     result = make_reconciler(root).reconcile(view())
-    assert result.inventory is not None
-    assert result.inventory.files == ()
-    problems = "\n".join(result.inventory.problems)
+    assert result.root_scan is not None
+    assert result.root_scan.inventory.files == ()
+    problems = "\n".join(result.root_scan.problems)
     assert "vllm_offload_a.mmap is a symbolic link" in problems
     assert "vllm_offload_b.mmap is a FIFO" in problems
     assert "elsewhere is a symbolic link" in problems
@@ -197,7 +195,7 @@ def test_reclaim_paths_that_leave_the_root_are_refused(
     root = shm_dir / "root"
     before = snapshot(outside)
     reconciler = make_reconciler(root)
-    result = reconciler.reconcile(view(reclaims=(ReclaimRequest(path),)))
+    result = reconciler.reconcile(view(reclaims=(reclaim(path),)))
     assert result.reclaims[path].outcome is ReclaimOutcome.FAILED
     assert "nothing was removed" in result.reclaims[path].message
     assert snapshot(outside) == before
@@ -208,7 +206,7 @@ def test_reclaim_of_a_symlink_removes_nothing(shm_dir: Path, outside: Path) -> N
     (region_dir(root) / "vllm_offload_r1.mmap").symlink_to(outside / "vllm_offload_r1.mmap")
     before = snapshot(outside)
     path = "ns1/r1/vllm_offload_r1.mmap"
-    result = make_reconciler(root).reconcile(view(reclaims=(ReclaimRequest(path),)))
+    result = make_reconciler(root).reconcile(view(reclaims=(reclaim(path),)))
     assert result.reclaims[path].outcome is ReclaimOutcome.FAILED
     assert "symbolic link" in result.reclaims[path].message
     assert snapshot(outside) == before

@@ -30,13 +30,13 @@ def test_ten_thousand_region_shaped_files_cost_a_bounded_status_and_pass(shm_dir
     started = time.monotonic()
     result = reconciler.reconcile(view(flooder))
     seconds = time.monotonic() - started
-    assert result.inventory is not None
-    files = [f for f in result.inventory.files if f.path.startswith("t1/flooder/")]
+    assert result.root_scan is not None
+    files = [f for f in result.root_scan.inventory.files if f.path.startswith("t1/flooder/")]
     assert len(files) == MAX_REGION_FILES
-    summary = [p for p in result.inventory.problems if "holds too many files" in p]
+    summary = [p for p in result.root_scan.problems if "holds too many files" in p]
     assert len(summary) == 1 and "entries beyond the first 4096 not looked at" in summary[0]
     status = json.dumps(
-        {"files": [f.to_status() for f in result.inventory.files], "problems": summary}
+        {"files": [f.to_status() for f in result.root_scan.inventory.files], "problems": summary}
     )
     assert len(status) < 32 << 10, len(status)
     assert seconds < 2, seconds
@@ -53,8 +53,8 @@ def test_a_directory_just_over_the_listing_bound_says_how_many_more(shm_dir: Pat
     settle(reconciler, view(flooder))
     tenant(_FILL, str(root / "t1" / "flooder"), "100")
     result = reconciler.reconcile(view(flooder))
-    assert result.inventory is not None
-    summary = [p for p in result.inventory.problems if "holds too many files" in p]
+    assert result.root_scan is not None
+    summary = [p for p in result.root_scan.problems if "holds too many files" in p]
     # 100 junk files and the region's own: 64 listed, 37 more
     assert len(summary) == 1 and "and 37 more not listed" in summary[0]
     assert "beyond the first" not in summary[0]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvshm.agent.reclaim import ReclaimRequest
-from kvshm.agent.reports import EventReason, ReclaimOutcome
-from tests.agent.builders import holding, make_reconciler, region, settle, view
+from kvshm.agent.reports import EventReason
+from kvshm.api import ReclaimOutcome
+from tests.agent.builders import holding, make_reconciler, reclaim, region, settle, view
 
 PATH = "ns1/r1/vllm_offload_r1.mmap"
 
@@ -26,14 +26,14 @@ def test_an_unclaimed_unheld_file_is_removed_with_its_directories(shm_dir: Path)
     root = shm_dir / "root"
     path = orphan(root)
     reconciler = make_reconciler(root)
-    inventory = reconciler.reconcile(view()).inventory
-    assert inventory is not None and [f.path for f in inventory.orphans] == [PATH]
-    result = reconciler.reconcile(view(reclaims=(ReclaimRequest(PATH, "t1"),)))
+    scan = reconciler.reconcile(view()).root_scan
+    assert scan is not None and [f.path for f in scan.inventory.orphans] == [PATH]
+    result = reconciler.reconcile(view(reclaims=(reclaim(PATH, 1),)))
     assert result.reclaims[PATH].outcome is ReclaimOutcome.DONE
     assert [e.reason for e in result.events] == [EventReason.RECLAIMED]
     assert not path.exists() and not (root / "ns1").exists()
     # executed once: the same request on the next pass is only reported again
-    again = reconciler.reconcile(view(reclaims=(ReclaimRequest(PATH, "t1"),)))
+    again = reconciler.reconcile(view(reclaims=(reclaim(PATH, 1),)))
     assert again.events == [] and again.reclaims[PATH].outcome is ReclaimOutcome.DONE
     # a request that leaves the spec leaves the status
     assert reconciler.reconcile(view()).reclaims == {}
@@ -43,7 +43,7 @@ def test_a_held_file_is_kept(shm_dir: Path) -> None:
     root = shm_dir / "root"
     path = orphan(root)
     with holding(path):
-        result = make_reconciler(root).reconcile(view(reclaims=(ReclaimRequest(PATH),)))
+        result = make_reconciler(root).reconcile(view(reclaims=(reclaim(PATH),)))
     assert result.reclaims[PATH].outcome is ReclaimOutcome.REFUSED_HELD
     assert [e.reason for e in result.events] == [EventReason.RECLAIM_REFUSED]
     assert path.exists()
@@ -53,9 +53,7 @@ def test_a_file_mapped_without_flock_is_kept_when_the_proc_scan_is_on(shm_dir: P
     root = shm_dir / "root"
     path = orphan(root)
     with holding(path, "map"):
-        result = make_reconciler(root, proc_scan=True).reconcile(
-            view(reclaims=(ReclaimRequest(PATH),))
-        )
+        result = make_reconciler(root, proc_scan=True).reconcile(view(reclaims=(reclaim(PATH),)))
     assert result.reclaims[PATH].outcome is ReclaimOutcome.REFUSED_HELD
     assert path.exists()
 
@@ -64,8 +62,8 @@ def test_a_file_claimed_again_since_the_decision_is_kept(shm_dir: Path) -> None:
     root = shm_dir / "root"
     path = orphan(root)
     # the operator decided on an old inventory; meanwhile a region claims the file again
-    reclaim = ReclaimRequest(PATH, "t1")
-    result = make_reconciler(root).reconcile(view(region(), reclaims=(reclaim,)))
+    request = reclaim(PATH, 1)
+    result = make_reconciler(root).reconcile(view(region(), reclaims=(request,)))
     assert result.reclaims[PATH].outcome is ReclaimOutcome.REFUSED_CLAIMED
     assert "ns1/r1" in result.reclaims[PATH].message
     assert path.exists()
@@ -76,16 +74,16 @@ def test_a_changed_request_is_executed_again(shm_dir: Path) -> None:
     path = orphan(root)
     reconciler = make_reconciler(root)
     with holding(path):
-        first = reconciler.reconcile(view(reclaims=(ReclaimRequest(PATH, "t1"),)))
+        first = reconciler.reconcile(view(reclaims=(reclaim(PATH, 1),)))
     assert first.reclaims[PATH].outcome is ReclaimOutcome.REFUSED_HELD
-    second = reconciler.reconcile(view(reclaims=(ReclaimRequest(PATH, "t2"),)))
+    second = reconciler.reconcile(view(reclaims=(reclaim(PATH, 2),)))
     assert second.reclaims[PATH].outcome is ReclaimOutcome.DONE
     assert not path.exists()
 
 
 def test_a_file_already_gone_is_done(shm_dir: Path) -> None:
     root = shm_dir / "root"
-    result = make_reconciler(root).reconcile(view(reclaims=(ReclaimRequest(PATH),)))
+    result = make_reconciler(root).reconcile(view(reclaims=(reclaim(PATH),)))
     assert result.reclaims[PATH].outcome is ReclaimOutcome.DONE
     assert result.reclaims[PATH].message == "already gone"
 
@@ -93,11 +91,11 @@ def test_a_file_already_gone_is_done(shm_dir: Path) -> None:
 def test_a_file_whose_size_changed_since_the_decision_is_kept(shm_dir: Path) -> None:
     root = shm_dir / "root"
     path = orphan(root)
-    stale = ReclaimRequest(PATH, "t1", size_bytes=path.stat().st_size + 4096)
+    stale = reclaim(PATH, 1, size=path.stat().st_size + 4096)
     result = make_reconciler(root).reconcile(view(reclaims=(stale,)))
     assert result.reclaims[PATH].outcome is ReclaimOutcome.REFUSED_CLAIMED
     assert "re-created or resized" in result.reclaims[PATH].message
     assert path.exists()
-    exact = ReclaimRequest(PATH, "t2", size_bytes=path.stat().st_size)
+    exact = reclaim(PATH, 2, size=path.stat().st_size)
     result = make_reconciler(root).reconcile(view(reclaims=(exact,)))
     assert result.reclaims[PATH].outcome is ReclaimOutcome.DONE

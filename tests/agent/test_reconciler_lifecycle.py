@@ -199,8 +199,8 @@ def test_retain_policy_lets_go_and_keeps_the_file(shm_dir: Path) -> None:
     assert "reclaimPolicy: Retain" in result.reports["ns1/r1"].message
     assert file_of(root).exists()
     gone = reconciler.reconcile(view())
-    assert gone.inventory is not None
-    assert [f.claimed_by for f in gone.inventory.files] == [""]  # now an orphan
+    assert gone.root_scan is not None
+    assert [f.claimed_by for f in gone.root_scan.inventory.files] == [""]  # now an orphan
 
 
 def test_instance_id_change_drains_the_old_file_and_creates_the_new(shm_dir: Path) -> None:

@@ -34,9 +34,9 @@ def test_a_hard_link_to_a_later_file_is_flagged_and_its_memory_reported(shm_dir:
     with open(directory / FILE_1, "r+b") as file_1:  # 1 MiB of file 1 allocated
         file_1.write(b"x" * (1 << 20))
     os.link(directory / FILE_1, directory / "keep")
-    inventory = reconciler.reconcile(view(segmented())).inventory
-    assert inventory is not None
-    assert any(f"{FILE_1} is a regular file with 2 links" in p for p in inventory.problems)
+    scan = reconciler.reconcile(view(segmented())).root_scan
+    assert scan is not None
+    assert any(f"{FILE_1} is a regular file with 2 links" in p for p in scan.problems)
     result = settle(reconciler, view(segmented(), deleting=("ns1/seg",)))
     removed = result.reports["ns1/seg"]
     assert removed.phase is NodeRegionPhase.REMOVED, removed

@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvshm.agent.reclaim import ReclaimRequest
-from kvshm.agent.reports import EventReason, ReclaimOutcome
-from kvshm.api import NodeRegionPhase, OffloadRegion
-from tests.agent.builders import MIB, holding, make_reconciler, region, settle, view
+from kvshm.agent.reports import EventReason
+from kvshm.api import NodeRegionPhase, OffloadRegion, ReclaimOutcome
+from tests.agent.builders import MIB, holding, make_reconciler, reclaim, region, settle, view
 
 ROW = 256 * MIB
 SIZE = 9 * ROW  # 2.25 GiB: vLLM 0.33 makes 2 files, of 5 rows and of 4 rows
@@ -62,8 +61,9 @@ def test_every_file_is_created_with_its_size_owner_and_mode_and_reported(shm_dir
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1234, 5678, 0o640)
         with open(root / "ns1" / "seg" / name, "rb") as probe:  # the agent holds no flock
             fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    inventory = make_reconciler(root).reconcile(view(r)).inventory  # scanned as a pass starts
-    assert inventory is not None
+    scan = make_reconciler(root).reconcile(view(r)).root_scan  # scanned as a pass starts
+    assert scan is not None
+    inventory = scan.inventory
     [entry] = inventory.files
     assert (entry.path, entry.size_bytes, entry.files) == (PATH, SIZE, 2)
     assert entry.claimed_by == "ns1/seg" and entry.to_status()["fileCount"] == 2
@@ -136,15 +136,16 @@ def test_an_orphan_is_all_its_files_and_a_reclaim_removes_them_all(shm_dir: Path
     settle(reconciler, view(kept))
     settle(reconciler, view(kept, deleting=("ns1/seg",)))
     assert files(root) == [FILE_0, FILE_1]
-    inventory = reconciler.reconcile(view()).inventory
-    assert inventory is not None
+    scan = reconciler.reconcile(view()).root_scan
+    assert scan is not None
+    inventory = scan.inventory
     [orphan] = inventory.orphans
     assert (orphan.path, orphan.size_bytes, orphan.files) == (PATH, SIZE, 2)
     with holding(root / "ns1" / "seg" / FILE_1, "map"):  # vLLM maps files, takes no flock
-        refused = reconciler.reconcile(view(reclaims=(ReclaimRequest(PATH, "t1", SIZE),)))
+        refused = reconciler.reconcile(view(reclaims=(reclaim(PATH, 1, SIZE),)))
     assert refused.reclaims[PATH].outcome is ReclaimOutcome.REFUSED_HELD
     assert files(root) == [FILE_0, FILE_1]
-    done = reconciler.reconcile(view(reclaims=(ReclaimRequest(PATH, "t2", SIZE),)))
+    done = reconciler.reconcile(view(reclaims=(reclaim(PATH, 2, SIZE),)))
     assert done.reclaims[PATH].outcome is ReclaimOutcome.DONE, done.reclaims[PATH]
     assert "2 files" in done.reclaims[PATH].message
     assert not (root / "ns1").exists()
@@ -159,15 +160,16 @@ def test_files_left_without_their_file_0_are_an_orphan(shm_dir: Path) -> None:
     stray = directory / "vllm_offload_gone.mmap.3"
     stray.write_bytes(b"\0" * 4096)
     reconciler = make_reconciler(root)
-    inventory = reconciler.reconcile(view()).inventory
-    assert inventory is not None
+    scan = reconciler.reconcile(view()).root_scan
+    assert scan is not None
+    inventory = scan.inventory
     [orphan] = inventory.orphans
     assert (orphan.path, orphan.size_bytes, orphan.files) == (
         "ns1/old/vllm_offload_gone.mmap.3",
         4096,
         1,
     )
-    done = reconciler.reconcile(view(reclaims=(ReclaimRequest(orphan.path, "t", 4096),)))
+    done = reconciler.reconcile(view(reclaims=(reclaim(orphan.path, 1, 4096),)))
     assert done.reclaims[orphan.path].outcome is ReclaimOutcome.DONE
     assert not stray.exists()
 

@@ -4,22 +4,38 @@ pruning, and read back by the operator as written."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
 import kubernetes
 import pytest
 
 from kvshm.agent.cluster.sink import ClusterSink
 from kvshm.agent.errors import ErrorReason
-from kvshm.agent.reports import AgentEvent, EventReason, NodeReport, PassResult
-from kvshm.api import GROUP, REGION_PLURAL, VERSION, NodeRegionPhase
-from kvshm.operator.reports import NodeReport as OperatorNodeReport
-from kvshm.operator.reports import parse_node_reports
+from kvshm.agent.inventory import RootScan
+from kvshm.agent.reports import AgentEvent, EventReason, PassResult
+from kvshm.api import (
+    GROUP,
+    NODE_PLURAL,
+    REGION_PLURAL,
+    VERSION,
+    InventoryFile,
+    NodeInventory,
+    NodeName,
+    NodeRegionPhase,
+    NodeReport,
+    ReclaimOutcome,
+    ReclaimResult,
+    parse_node_reports,
+    parse_offload_node,
+)
 from tests.envtest import manifests
 from tests.envtest.fixtures import ChartAccounts
 from tests.envtest.server import EnvTest
 
 # The longest names Kubernetes allows: a Node (and so an OffloadNode) and a region, each a DNS
 # subdomain of 253 characters.
-LONGEST_NODE = ".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61])
+LONGEST_NODE = NodeName(".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61]))
 LONGEST_REGION = ".".join(["r" * 63, "s" * 63, "t" * 63, "u" * 61])
 
 
@@ -107,12 +123,55 @@ def test_every_field_of_a_node_report_survives_the_crd_and_reads_back(
     assert {k: entry.get(k) for k in sent} == sent
     assert set(entry) == {*sent, "lastTransitionTime"}
     read = parse_node_reports(stored["status"])[LONGEST_NODE]
-    assert read == OperatorNodeReport(
-        phase=NodeRegionPhase.READY,
-        path=report.path,
-        populated_bytes=report.populated_bytes,
-        locked=True,
-        message="ready",
-        observed_generation=1,
-    )
+    assert read.last_transition_time is not None
+    assert read == replace(report, last_transition_time=read.last_transition_time)
     assert read.ready_for(stored["metadata"]["generation"])
+
+    # a new generation of the spec: the report (about the last one) no longer means Ready
+    changed = custom.patch_namespaced_custom_object(
+        GROUP,
+        VERSION,
+        envtest_namespace,
+        REGION_PLURAL,
+        "r1",
+        {"spec": {"placement": {"nodeNames": [LONGEST_NODE]}}},
+    )
+    generation = changed["metadata"]["generation"]
+    assert generation == report.observed_generation + 1
+    stale = parse_node_reports(changed["status"])[LONGEST_NODE]
+    assert stale == read and not stale.ready_for(generation)
+
+
+def test_every_field_of_the_inventory_survives_the_crd_and_reads_back(
+    agent_sink: ClusterSink, envtest_admin: kubernetes.client.ApiClient
+) -> None:
+    """The status contract for the OffloadNode: what the agent publishes is kept by the CRD's
+    pruning, and the operator reads back the very records the agent wrote."""
+    agent_sink.ensure_node()
+    first_seen = datetime.now(UTC) - timedelta(hours=2)
+    orphan = InventoryFile(
+        "ns/old/vllm_offload_old.mmap", 8192, "", False, 7200.4, first_seen, files=2
+    )
+    claimed = InventoryFile("ns/r1/vllm_offload_r1.mmap", 65536, "ns/r1", True, 12)
+    inventory = NodeInventory(1 << 30, 1 << 29, 1 << 20, (orphan, claimed))
+    result = ReclaimResult(
+        "ns/gone/vllm_offload_gone.mmap", ReclaimOutcome.REFUSED_HELD, "pid 7", first_seen
+    )
+    agent_sink.publish(
+        PassResult(
+            root_scan=RootScan("/dev/shm/kvshm", inventory, ("a FIFO",)),
+            reclaims={result.path: result},
+        )
+    )
+    assert agent_sink.errors == []  # type: ignore[attr-defined]
+    stored = kubernetes.client.CustomObjectsApi(envtest_admin).get_cluster_custom_object(
+        GROUP, VERSION, NODE_PLURAL, LONGEST_NODE
+    )
+    node = parse_offload_node(stored)
+    assert node is not None and node.name == LONGEST_NODE
+    read = node.status
+    assert read.heartbeat is not None and read.agent_version == "test"
+    written = replace(inventory, reclaims=(result,), heartbeat=read.heartbeat, agent_version="test")
+    assert read == written
+    assert read.files[0].first_seen_unclaimed == first_seen.replace(microsecond=0)
+    assert stored["status"]["conditions"][0]["type"] == "RootSafe"

@@ -6,9 +6,21 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from kvshm.api import NodeRegionPhase, OffloadRegion, ReclaimOutcome, parse_offload_region
-from kvshm.operator.cluster import ClusterView
-from kvshm.operator.reports import InventoryFile, NodeInventory, NodeReport, ReclaimResult
+from kvshm.api import (
+    InventoryFile,
+    NodeInventory,
+    NodeName,
+    NodeRegionPhase,
+    NodeReport,
+    OffloadNode,
+    OffloadRegion,
+    ReclaimOutcome,
+    ReclaimRequest,
+    ReclaimResult,
+    RetainedFile,
+    parse_offload_region,
+)
+from kvshm.operator.cluster import ClusterSnapshot
 
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 GIB = 2**30
@@ -50,32 +62,34 @@ def agent(
     requests: tuple[str, ...] = (),
     results: Mapping[str, str] | None = None,
     retained: tuple[str, ...] = (),
-) -> NodeInventory:
-    return NodeInventory(
-        name=name,
-        heartbeat=None if heartbeat_age is None else NOW - timedelta(seconds=heartbeat_age),
-        capacity_bytes=None if capacity_gib is None else capacity_gib * GIB,
-        free_bytes=None if capacity_gib is None else capacity_gib * GIB,
-        files=files,
-        reclaim_requests={path: {"path": path, "sizeBytes": 1} for path in requests},
-        retained={path: {"path": path} for path in retained},
-        reclaim_results=tuple(
-            ReclaimResult(path, ReclaimOutcome.from_status(outcome))
-            for path, outcome in (results or {}).items()
+) -> OffloadNode:
+    return OffloadNode(
+        name=NodeName(name),
+        status=NodeInventory(
+            heartbeat=None if heartbeat_age is None else NOW - timedelta(seconds=heartbeat_age),
+            capacity_bytes=None if capacity_gib is None else capacity_gib * GIB,
+            free_bytes=None if capacity_gib is None else capacity_gib * GIB,
+            files=files,
+            reclaims=tuple(
+                ReclaimResult(path, ReclaimOutcome.from_status(outcome))
+                for path, outcome in (results or {}).items()
+            ),
         ),
+        reclaims=tuple(ReclaimRequest(path, 1) for path in requests),
+        retained=tuple(RetainedFile(path) for path in retained),
     )
 
 
 def cluster(
     nodes: Mapping[str, Mapping[str, str]] | list[str],
-    agents: list[NodeInventory] | None = None,
+    agents: list[OffloadNode] | None = None,
     *,
     now: datetime = NOW,
     regions: Mapping[str, str] | None = None,
-) -> ClusterView:
+) -> ClusterSnapshot:
     node_map = {name: {} for name in nodes} if isinstance(nodes, list) else dict(nodes)
     agent_list = [agent(name) for name in node_map] if agents is None else agents
-    return ClusterView(
+    return ClusterSnapshot(
         nodes=node_map,
         agents={item.name: item for item in agent_list},
         now=now,
@@ -102,5 +116,12 @@ def file(
     size: int = 4096,
     claimed_by: str = "",
     held: bool = False,
+    first_seen_unclaimed: datetime | None = None,
 ) -> InventoryFile:
-    return InventoryFile(path=path, size_bytes=size, claimed_by=claimed_by, held=held)
+    return InventoryFile(
+        path=path,
+        size_bytes=size,
+        claimed_by=claimed_by,
+        held=held,
+        first_seen_unclaimed=first_seen_unclaimed,
+    )

@@ -54,10 +54,11 @@ def test_reclaims_after_leaves_the_spec_alone_when_nothing_changes() -> None:
 
 def test_retained_edits_add_once_and_forget_by_path() -> None:
     entry = retained_entry("team/r", "team/r/vllm_offload_r.mmap", NOW)
+    written = {"path": entry.path, "region": "team/r", "retainedAt": "2026-11-22T12:00:00Z"}
     added = add_retained(entry)({})
-    assert added == {"retained": [entry]}
+    assert added == {"retained": [written]}
     assert add_retained(entry)(added) is None
     other = {"path": "team/q/vllm_offload_q.mmap"}
-    spec = {"retained": [entry, other]}
-    assert forget_retained({entry["path"]})(spec) == {"retained": [other]}
+    spec = {"retained": [written, other]}
+    assert forget_retained({entry.path})(spec) == {"retained": [other]}
     assert forget_retained({"nothing"})(spec) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 
+from kvshm.api import RetainedFile, parse_offload_node
 from kvshm.operator.orphans import OrphanClock, Refusal, decide_reclaims
 from tests.operator.builders import NOW, agent, file
 
@@ -71,13 +72,13 @@ def test_a_file_an_existing_region_names_is_refused_as_claimed_even_if_the_agent
 
 
 def test_an_unknown_held_state_counts_as_held() -> None:
-    from kvshm.operator.reports import parse_inventory
-
     body = {
         "metadata": {"name": "a"},
         "status": {"files": [{"path": ORPHAN.path, "sizeBytes": 1, "claimedBy": ""}]},
     }
-    decision = sweep(parse_inventory(body), at=10 * GRACE)
+    node = parse_offload_node(body)
+    assert node is not None
+    decision = sweep(node, at=10 * GRACE)
     assert decision.orphans == () and decision.requests == ()
 
 
@@ -128,8 +129,45 @@ def test_the_deleted_regions_own_claim_does_not_undo_its_retention() -> None:
     stale = file(path, claimed_by="team/kept")
     node = dataclasses.replace(
         agent("a", files=(stale,)),
-        retained={path: {"path": path, "region": "team/kept"}},
+        retained=(RetainedFile(path, "team/kept"),),
     )
     assert sweep(node, claimed=(path,)).forget_retained == ()  # deleting: claimed, not live
     recreated = decide_reclaims(node, (path,), OrphanClock(), NOW, GRACE, live_paths=(path,))
     assert recreated.forget_retained == (path,)  # the region exists again: in use
+
+
+def test_the_grace_period_survives_an_operator_restart() -> None:
+    """The agent publishes when it first saw the file unclaimed: an operator that restarts
+    (and so forgets its clock) resumes the grace period instead of starting it again."""
+    orphan = file(ORPHAN.path, first_seen_unclaimed=NOW)
+    before = sweep(agent("a", files=(orphan,)), at=GRACE / 2)
+    assert before.requests == ()
+    restarted = sweep(agent("a", files=(orphan,)), OrphanClock(), at=GRACE)
+    assert [(r.path, r.orphaned_since) for r in restarted.requests] == [(ORPHAN.path, NOW)]
+
+
+def test_an_orphan_older_than_the_operator_is_due_at_once() -> None:
+    orphan = file(ORPHAN.path, first_seen_unclaimed=NOW - timedelta(seconds=2 * GRACE))
+    decision = sweep(agent("a", files=(orphan,)))
+    assert [r.path for r in decision.requests] == [ORPHAN.path]
+
+
+def test_a_file_seen_held_starts_again_whatever_the_agents_time() -> None:
+    """The agent's time counts unclaimed time only; a holder this operator saw restarts it."""
+    long_ago = NOW - timedelta(seconds=10 * GRACE)
+    held = file(ORPHAN.path, held=True, first_seen_unclaimed=long_ago)
+    orphan = file(ORPHAN.path, first_seen_unclaimed=long_ago)
+    middle = sweep(agent("a", files=(held,)))
+    again = sweep(agent("a", files=(orphan,)), middle.clock, at=1)
+    assert again.requests == ()
+    due = sweep(agent("a", files=(orphan,)), again.clock, at=GRACE + 1)
+    assert [r.orphaned_since for r in due.requests] == [NOW + timedelta(seconds=1)]
+
+
+def test_a_claim_only_the_agent_saw_between_sweeps_restarts_the_time() -> None:
+    first = sweep(agent("a", files=(file(ORPHAN.path, first_seen_unclaimed=NOW),)))
+    reclaimed_later = NOW + timedelta(seconds=30)
+    later = file(ORPHAN.path, first_seen_unclaimed=reclaimed_later)
+    decision = sweep(agent("a", files=(later,)), first.clock, at=GRACE + 1)
+    assert decision.requests == ()
+    assert decision.clock.since[ORPHAN.path] == reclaimed_later

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from kvshm.api import NodeRegionPhase, RegionPhase
+from kvshm.api import NodeRegionPhase, NodeReport, RegionPhase
 from kvshm.operator.conditions import ConditionType
 from kvshm.operator.phases import derive_invalid, derive_status, status_patch, worth_writing
-from kvshm.operator.reports import NodeReport
 from tests.operator.builders import NOW, agent, cluster, region, reports
 
 TWO = region(node_names=["a", "b"])

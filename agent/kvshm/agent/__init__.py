@@ -2,16 +2,14 @@
 under the region root, from OffloadRegion resources (cluster mode) or YAML files (local mode)."""
 
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
-from kvshm.agent.reports import NodeInventory, NodeReport, PassResult
+from kvshm.agent.reports import PassResult
 from kvshm.agent.saferoot import RegionRoot
 from kvshm.agent.view import ClusterView, KnownRegion
 
 __all__ = [
     "ClusterView",
     "KnownRegion",
-    "NodeInventory",
     "NodeReconciler",
-    "NodeReport",
     "PassResult",
     "ReconcilerSettings",
     "RegionRoot",

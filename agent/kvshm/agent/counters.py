@@ -6,7 +6,7 @@ from typing import Protocol
 
 from kvshm.agent.drain import DrainOutcome
 from kvshm.agent.errors import ErrorReason
-from kvshm.agent.reports import ReclaimOutcome
+from kvshm.api import ReclaimOutcome
 
 
 class Counters(Protocol):

@@ -34,9 +34,8 @@ from kvshm.agent.regionfiles import (
 )
 from kvshm.agent.saferoot import RegionDir, RegionRoot
 from kvshm.agent.sizes import format_bytes
-from kvshm.api import OffloadRegion, ReclaimPolicy
+from kvshm.api import OffloadRegion, ReclaimPolicy, region_key
 from kvshm.region import UnsafePathError
-from kvshm.region.naming import region_file_name
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class DrainEvent:
     def to_message(self) -> dict[str, Any]:
         return {
             "type": "drain",
-            "region": f"{self.namespace}/{self.name}",
+            "region": region_key(self.namespace, self.name),
             "instanceId": self.instance_id,
             "reason": self.reason,
             "deadline": self.deadline,
@@ -142,7 +141,7 @@ class Drainer:
             drain.hosted = None
         region = drain.region
         if region.reclaim_policy is ReclaimPolicy.RETAIN:
-            path = f"{self._root.path}/{region.key}/{region_file_name(region.instance_id)}"
+            path = region.address.path_under(self._root.path)
             return DrainStep(
                 DrainOutcome.RETAINED,
                 f"released by the agent; {path} (and any other file of the region) is kept "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from kvshm.agent.reports import NodeReport
+from kvshm.api import NodeReport
 
 
 class ReportGate:

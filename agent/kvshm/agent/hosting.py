@@ -22,7 +22,6 @@ from kvshm.agent.sizes import format_bytes
 from kvshm.agent.throttle import RateLimit
 from kvshm.api import NodeRegionPhase, OffloadRegion
 from kvshm.region import OpenMode, RegionError, RegionLockError, SharedOffloadRegion
-from kvshm.region.naming import region_file_name
 
 # The file exists with its size when the agent decides to adopt it; a short wait only covers
 # it disappearing in between (then the next pass looks again).
@@ -63,7 +62,7 @@ class HostedRegion:
     ) -> None:
         self.region = region
         self.adopt = adopt
-        self.file_name = region_file_name(region.instance_id)
+        self.file_name = region.address.file_0_name
         self.path = region_dir.file_path(file_name=self.file_name)
         files = region.layout.files(region.instance_id)
         self.file_names = [file.name for file in files]

@@ -10,18 +10,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from kvshm.agent.errors import describe
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.regionfiles import describe_unsafe, find_region_files, is_held
-from kvshm.agent.reports import InventoryFile, NodeInventory
 from kvshm.agent.saferoot import RegionDir, RegionRoot
+from kvshm.api import InvalidAddressError, InventoryFile, NodeInventory, RegionAddress
 from kvshm.region import UnsafePathError
 
-ClaimLookup = Callable[[str, str, str], str]
-"""(namespace, name, instance id) -> key of the region that claims the file, or ""."""
+ClaimLookup = Callable[[RegionAddress], str]
+"""A region file's address -> key of the region that claims the file, or ""."""
+
+
+@dataclass(frozen=True)
+class RootScan:
+    """One scan of the region root: the inventory published in the OffloadNode (less what the
+    sink adds: heartbeat, version, reclaim results), and what only the agent shows."""
+
+    root: str  # the region root's absolute path
+    inventory: NodeInventory
+    problems: tuple[str, ...] = ()  # unsafe or unexpected entries found under the root
 
 
 class InventoryScanner:
@@ -37,16 +47,15 @@ class InventoryScanner:
         for path, moment in since.items():
             self._unclaimed_since.setdefault(path, moment)
 
-    def scan(self, claimed_by: ClaimLookup) -> NodeInventory:
+    def scan(self, claimed_by: ClaimLookup) -> RootScan:
         capacity, free = self._root.filesystem_bytes()
         files: list[InventoryFile] = []
         problems: list[str] = []
         for region_dir in self._root.walk(problems.append):
             files.extend(self._scan_dir(region_dir, claimed_by, problems))
         files = self._track_unclaimed(files)
-        return NodeInventory(
-            self._root.path, capacity, free, self._reserve, tuple(files), tuple(problems)
-        )
+        inventory = NodeInventory(capacity, free, self._reserve, tuple(files))
+        return RootScan(self._root.path, inventory, tuple(problems))
 
     def _track_unclaimed(self, files: list[InventoryFile]) -> list[InventoryFile]:
         now = datetime.now(UTC)
@@ -74,6 +83,11 @@ class InventoryScanner:
         for file_set in file_sets:
             path = region_dir.file_path(file_set.first_name)
             try:
+                address = RegionAddress(region_dir.namespace, region_dir.name, file_set.instance_id)
+            except InvalidAddressError as exc:
+                problems.append(f"{path}: no region can have this file ({exc}); left untouched")
+                continue
+            try:
                 held = is_held(self._holds, region_dir, file_set.names)
             except (UnsafePathError, OSError) as exc:
                 problems.append(
@@ -82,14 +96,11 @@ class InventoryScanner:
                 held = True
             found.append(
                 InventoryFile(
-                    path=f"{region_dir.namespace}/{region_dir.name}/{file_set.first_name}",
+                    path=f"{address.directory}/{file_set.first_name}",
                     size_bytes=file_set.size_bytes,
-                    allocated_bytes=file_set.allocated_bytes,
-                    claimed_by=claimed_by(
-                        region_dir.namespace, region_dir.name, file_set.instance_id
-                    ),
+                    claimed_by=claimed_by(address),
                     held=held,
-                    age_seconds=max(0.0, now - file_set.newest_mtime),
+                    age_seconds=int(max(0.0, now - file_set.newest_mtime)),
                     files=len(file_set.files),
                 )
             )

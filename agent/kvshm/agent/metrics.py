@@ -15,8 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvshm.agent.drain import DrainOutcome
 from kvshm.agent.errors import ErrorReason
-from kvshm.agent.reports import PassResult, ReclaimOutcome
-from kvshm.api import NodeRegionPhase
+from kvshm.agent.reports import PassResult
+from kvshm.api import NodeRegionPhase, ReclaimOutcome
 
 POPULATE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 _HOLDING_FILE = (
@@ -81,7 +81,8 @@ def _region_gauges(result: PassResult) -> Iterator[Metric]:
     totals = {"allocated": 0, "populated": 0, "locked": 0}
     counts = dict.fromkeys(NodeRegionPhase, 0)
     for key, report in sorted(result.reports.items()):
-        counts[report.phase] += 1
+        if report.phase is not None:  # always, for the agent's own reports
+            counts[report.phase] += 1
         for each in NodeRegionPhase:
             phase.add_metric([key, each.value], 1.0 if each is report.phase else 0.0)
         if report.phase in _HOLDING_FILE:
@@ -107,9 +108,9 @@ def _region_gauges(result: PassResult) -> Iterator[Metric]:
 
 
 def _root_gauges(result: PassResult) -> Iterator[Metric]:
-    inventory = result.inventory
-    if inventory is None:
+    if result.root_scan is None:
         return
+    inventory = result.root_scan.inventory
     orphans = inventory.orphans
     yield GaugeMetricFamily(
         "kvshm_agent_root_capacity_bytes",

@@ -10,26 +10,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from kvshm.agent.counters import Counters
 from kvshm.agent.errors import ErrorReason, describe
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.regionfiles import describe_unsafe, files_of, holding_all, unlink_held
-from kvshm.agent.reports import AgentEvent, EventReason, ReclaimOutcome, ReclaimResult
-from kvshm.agent.saferoot import RegionDir, RegionRoot, is_namespace, is_region_name
-from kvshm.region import UnsafePathError, parse_region_file_name
+from kvshm.agent.reports import AgentEvent, EventReason
+from kvshm.agent.saferoot import RegionDir, RegionRoot
+from kvshm.api import ReclaimOutcome, ReclaimRequest, ReclaimResult, RegionAddress
+from kvshm.region import UnsafePathError
 
-ClaimCheck = Callable[[str, str, str], str]
-"""(namespace, name, instance id) -> key of the region claiming the file, or ""."""
-
-
-@dataclass(frozen=True)
-class ReclaimRequest:
-    path: str  # relative to the root: <namespace>/<name>/<any file of the region>
-    token: str = ""  # the request's content: a changed request is executed again
-    size_bytes: int | None = None  # the size the operator decided on; another size is refused
+ClaimCheck = Callable[[RegionAddress], str]
+"""A region file's address -> key of the region claiming the file, or ""."""
 
 
 class Reclaimer:
@@ -41,28 +34,27 @@ class Reclaimer:
         def result(outcome: ReclaimOutcome, message: str) -> ReclaimResult:
             return ReclaimResult(request.path, outcome, message, datetime.now(UTC))
 
-        parts = request.path.split("/")
-        parsed = parse_region_file_name(parts[-1]) if len(parts) == 3 else None
-        if parsed is None or not is_namespace(parts[0]) or not is_region_name(parts[1]):
+        parsed = RegionAddress.from_relative_path(request.path)
+        if parsed is None:
             return result(
                 ReclaimOutcome.FAILED,
                 f"{request.path!r} is not <namespace>/<name>/vllm_offload_<id>.mmap[.<i>] "
                 f"relative to the region root; nothing was removed",
             )
-        namespace, name, _ = parts
-        claimant = claimed_by(namespace, name, parsed.instance_id)
+        address, _ = parsed
+        claimant = claimed_by(address)
         if claimant:
             return result(
                 ReclaimOutcome.REFUSED_CLAIMED, f"region {claimant} claims it; it was kept"
             )
         try:
-            region_dir = self._root.open_region_dir(namespace, name)
+            region_dir = self._root.open_region_dir(address.namespace, address.name)
         except UnsafePathError as exc:
             return result(ReclaimOutcome.FAILED, describe(exc))
         if region_dir is None:
             return result(ReclaimOutcome.DONE, "already gone")
         with region_dir:
-            return self._remove(request, region_dir, parsed.instance_id, result)
+            return self._remove(request, region_dir, address.instance_id, result)
 
     def _remove(
         self,

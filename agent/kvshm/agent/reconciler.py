@@ -25,19 +25,12 @@ from kvshm.agent.inventory import InventoryScanner
 from kvshm.agent.opening import Refusal, RegionOpener, remove_empty_dir, remove_failed_creation
 from kvshm.agent.reclaim import ReclaimBook, Reclaimer
 from kvshm.agent.record import Backoff, Failure, RegionRecord, RegionState
-from kvshm.agent.reports import (
-    AgentEvent,
-    EventReason,
-    InventoryFile,
-    NodeReport,
-    PassResult,
-)
+from kvshm.agent.reports import AgentEvent, EventReason, PassResult
 from kvshm.agent.saferoot import RegionRoot
 from kvshm.agent.sizes import format_bytes
 from kvshm.agent.view import ClusterView
-from kvshm.api import NodeRegionPhase, OffloadRegion
+from kvshm.api import InventoryFile, NodeRegionPhase, NodeReport, OffloadRegion, RegionAddress
 from kvshm.region import RegionError
-from kvshm.region.naming import region_file_name
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +79,16 @@ class NodeReconciler:
         self._holds.refresh()
         desired = view.placed_here()
         given_up = self._forget(view, desired)
-        inventory = self._inventory.scan(lambda ns, n, iid: self._claimant(view, ns, n, iid))
+        scan = self._inventory.scan(lambda address: self._claimant(view, address))
         self._release_unwanted(view, desired)
-        self._drain_leftovers(view, desired, inventory.files)
+        self._drain_leftovers(view, desired, scan.inventory.files)
         self._report_given_up(view, given_up)
         self._advance_drains()
         for key in sorted(desired):
             if key not in view.invalid:
                 self._ensure(desired[key])
         reclaims, events = self._reclaims.run(
-            view.reclaims, lambda ns, n, iid: self._claimant(view, ns, n, iid)
+            view.reclaims, lambda address: self._claimant(view, address)
         )
         self._events.extend(events)
         self._take_in_finished()
@@ -105,7 +98,7 @@ class NodeReconciler:
         return PassResult(
             reports=self._reports(view),
             events=self._events,
-            inventory=inventory,
+            root_scan=scan,
             reclaims=reclaims,
             problems=tuple(view.problems),
             busy=busy,
@@ -143,12 +136,12 @@ class NodeReconciler:
 
     # -- claims ----------------------------------------------------------------------------
 
-    def _claimant(self, view: ClusterView, namespace: str, name: str, instance_id: str) -> str:
-        key = f"{namespace}/{name}"
+    def _claimant(self, view: ClusterView, address: RegionAddress) -> str:
+        key = address.key
         record = self._records.get(key)
-        if record is not None and record.claims(instance_id):
+        if record is not None and record.claims(address.instance_id):
             return key
-        return view.claimant(namespace, name, instance_id)
+        return view.claimant(address)
 
     # -- leaving ---------------------------------------------------------------------------
 
@@ -396,7 +389,7 @@ class NodeReconciler:
         return reports
 
     def _file_path(self, region: OffloadRegion) -> str:
-        return f"{self.root.path}/{region.key}/{region_file_name(region.instance_id)}"
+        return region.address.path_under(self.root.path)
 
     def _event(self, reason: EventReason, region: OffloadRegion, message: str) -> None:
         self._events.append(AgentEvent(reason, message, region.key, region.uid))

@@ -18,8 +18,7 @@ from kvshm.agent.drain import Drain
 from kvshm.agent.errors import ErrorReason
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion
-from kvshm.agent.reports import NodeReport
-from kvshm.api import NodeRegionPhase, OffloadRegion
+from kvshm.api import NodeRegionPhase, NodeReport, OffloadRegion
 
 
 class RegionState(StrEnum):

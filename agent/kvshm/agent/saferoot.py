@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvshm.agent.errors import describe
 from kvshm.agent.printable import printable
-from kvshm.api import RegionAccess
+from kvshm.api import RegionAccess, region_key
 from kvshm.region import RegionFileName, UnsafePathError, parse_region_file_name
 from kvshm.region.safefile import describe_file_type
 
@@ -123,7 +123,7 @@ class RegionDir:
 
     @property
     def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
+        return region_key(self.namespace, self.name)
 
     @property
     def fd_path(self) -> str:

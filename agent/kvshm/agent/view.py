@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvshm.agent.reclaim import ReclaimRequest
-from kvshm.api import OffloadRegion
+from kvshm.api import OffloadRegion, ReclaimRequest, RegionAddress
 
 
 @dataclass(frozen=True)
@@ -33,10 +32,10 @@ class ClusterView:
             and known.region.placement.matches(self.node_name, self.node_labels)
         }
 
-    def claimant(self, namespace: str, name: str, instance_id: str) -> str:
+    def claimant(self, address: RegionAddress) -> str:
         """Key of the region that names this file; an unreadable spec claims its directory."""
-        key = f"{namespace}/{name}"
+        key = address.key
         known = self.regions.get(key)
-        if known is not None and known.region.instance_id == instance_id:
+        if known is not None and known.region.instance_id == address.instance_id:
             return key
         return key if key in self.invalid else ""

@@ -1,10 +1,13 @@
-"""The kvshm.dev/v1alpha1 custom resources as typed values, shared by agent, operator and CLI.
+"""The kvshm.dev/v1alpha1 custom resources as typed values, shared by agent, operator and CLI:
+specs (resources), the status contract between agent and operator (status), and the names
+paths and keys derive from (address).
 
 The CRDs in charts/kvshm/crds/ are the API server's source of truth; parsing here applies the
 same defaults and rules, so local mode (YAML files, no API server) accepts exactly what the
 cluster accepts, and the agent re-checks what it is given before it touches the filesystem.
 """
 
+from kvshm.api.address import InvalidAddressError, NodeName, RegionAddress, region_key
 from kvshm.api.resources import (
     GROUP,
     NODE_KIND,
@@ -22,6 +25,17 @@ from kvshm.api.resources import (
     SpecError,
     parse_offload_region,
 )
+from kvshm.api.status import (
+    InventoryFile,
+    NodeInventory,
+    NodeReport,
+    OffloadNode,
+    ReclaimRequest,
+    ReclaimResult,
+    RetainedFile,
+    parse_node_reports,
+    parse_offload_node,
+)
 
 __all__ = [
     "GROUP",
@@ -30,13 +44,26 @@ __all__ = [
     "REGION_KIND",
     "REGION_PLURAL",
     "VERSION",
+    "InvalidAddressError",
+    "InventoryFile",
+    "NodeInventory",
+    "NodeName",
     "NodeRegionPhase",
+    "NodeReport",
+    "OffloadNode",
     "OffloadRegion",
     "ReclaimOutcome",
     "ReclaimPolicy",
+    "ReclaimRequest",
+    "ReclaimResult",
     "RegionAccess",
+    "RegionAddress",
     "RegionPhase",
     "RegionPlacement",
+    "RetainedFile",
     "SpecError",
+    "parse_node_reports",
+    "parse_offload_node",
     "parse_offload_region",
+    "region_key",
 ]

@@ -8,6 +8,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from kvshm.api.address import (
+    MAX_DNS_SUBDOMAIN,
+    RegionAddress,
+    is_dns_label,
+    is_dns_subdomain,
+    region_key,
+)
 from kvshm.region import InvalidInstanceIdError, InvalidLayoutError, RegionFormat, RegionLayout
 from kvshm.region.naming import validate_instance_id
 from kvshm.region.shared_region import DEFAULT_FILE_MODE, check_file_mode
@@ -19,10 +26,6 @@ REGION_PLURAL = "offloadregions"
 NODE_KIND = "OffloadNode"
 NODE_PLURAL = "offloadnodes"
 
-# Kubernetes object names (RFC 1123 DNS labels / subdomains): they become directory names.
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-MAX_DNS_SUBDOMAIN = 253
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 MAX_LABEL_VALUE = 63
 # A label key: an optional DNS prefix and '/', then a name like a label value (1-63 characters).
@@ -142,8 +145,12 @@ class OffloadRegion:
     generation: int = 0
 
     @property
+    def address(self) -> RegionAddress:
+        return RegionAddress(self.namespace, self.name, self.instance_id)
+
+    @property
     def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
+        return region_key(self.namespace, self.name)
 
     @property
     def size_bytes(self) -> int:
@@ -180,12 +187,12 @@ def parse_offload_region(manifest: Mapping[str, Any]) -> OffloadRegion:
     metadata = _mapping(manifest, "metadata", "metadata")
     name = metadata.get("name")
     namespace = metadata.get("namespace") or "default"
-    if not isinstance(name, str) or not _is_dns_subdomain(name):
+    if not is_dns_subdomain(name):
         raise SpecError(
             f"metadata.name {name!r} must be a lowercase DNS name (letters, digits, '-', '.'; "
             f"at most {MAX_DNS_SUBDOMAIN} characters)"
         )
-    if not isinstance(namespace, str) or not _DNS_LABEL.fullmatch(namespace):
+    if not is_dns_label(namespace):
         raise SpecError(f"metadata.namespace {namespace!r} must be a lowercase DNS label")
     spec = _mapping(manifest, "spec", "spec")
 
@@ -260,7 +267,7 @@ def _parse_placement(spec: Mapping[str, Any]) -> RegionPlacement:
     if has_names and not 1 <= len(node_names) <= MAX_NODE_NAMES:
         raise SpecError(f"spec.placement.nodeNames must list 1 to {MAX_NODE_NAMES} nodes")
     for node_name in node_names:
-        if not isinstance(node_name, str) or not _is_dns_subdomain(node_name):
+        if not is_dns_subdomain(node_name):
             raise SpecError(
                 f"spec.placement.nodeNames: {node_name!r} is not a node name "
                 f"(a lowercase DNS name of at most {MAX_DNS_SUBDOMAIN} characters)"
@@ -288,10 +295,6 @@ def _parse_placement(spec: Mapping[str, Any]) -> RegionPlacement:
                 f"starting and ending with a letter or digit)"
             )
     return RegionPlacement(tuple(node_names), dict(selector))
-
-
-def _is_dns_subdomain(name: str) -> bool:
-    return len(name) <= MAX_DNS_SUBDOMAIN and _DNS_SUBDOMAIN.fullmatch(name) is not None
 
 
 def _is_label_key(key: str) -> bool:

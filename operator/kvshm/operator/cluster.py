@@ -1,4 +1,4 @@
-"""The operator's view of the cluster at one moment: Nodes, agents and their liveness.
+"""The operator's snapshot of the cluster at one moment: Nodes, agents and their liveness.
 
 Built from kopf's in-memory indexes, so a decision reads a consistent snapshot and the plain
 decision functions take it as one argument (and tests build it by hand).
@@ -12,7 +12,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import TypeVar
 
-from kvshm.operator.reports import NodeInventory
+from kvshm.api import OffloadNode
 
 T = TypeVar("T")
 
@@ -24,18 +24,21 @@ class AgentState(StrEnum):
 
 
 @dataclass(frozen=True)
-class ClusterView:
+class ClusterSnapshot:
+    """What the operator's decisions see: unlike the agent's ClusterView (one node's regions),
+    every Node and every agent's OffloadNode. Keys are node names (kvshm.api.NodeName)."""
+
     nodes: Mapping[str, Mapping[str, str]]  # Node name -> its labels
-    agents: Mapping[str, NodeInventory]  # OffloadNode name (= node name) -> inventory
+    agents: Mapping[str, OffloadNode]  # node name -> its OffloadNode
     now: datetime
     silence_seconds: float
-    regions: Mapping[str, str] = field(default_factory=dict)  # region key -> its file path
+    regions: Mapping[str, str] = field(default_factory=dict)  # region key -> its file 0 path
 
     def agent_state(self, node: str) -> AgentState:
-        inventory = self.agents.get(node)
-        if inventory is None:
+        agent = self.agents.get(node)
+        if agent is None:
             return AgentState.MISSING
-        age = inventory.heartbeat_age(self.now)
+        age = agent.status.heartbeat_age(self.now)
         if age is None or age > self.silence_seconds:
             return AgentState.SILENT
         return AgentState.ALIVE
@@ -57,7 +60,7 @@ class ClusterView:
         state = self.agent_state(node)
         if state is AgentState.MISSING:
             return f"node {node} has no OffloadNode: is the kvshm agent running there?"
-        inventory = self.agents[node]
+        inventory = self.agents[node].status
         if inventory.heartbeat is None:
             return f"the kvshm agent on {node} has not reported a heartbeat yet"
         age = inventory.heartbeat_age(self.now) or 0.0

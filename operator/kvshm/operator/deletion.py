@@ -11,10 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvshm.api import ReclaimPolicy
+from kvshm.api import NodeReport, ReclaimPolicy
 from kvshm.api.messages import summarize
-from kvshm.operator.cluster import AgentState, ClusterView
-from kvshm.operator.reports import NodeReport
+from kvshm.operator.cluster import AgentState, ClusterSnapshot
 
 
 class AbandonReason(StrEnum):
@@ -64,7 +63,7 @@ class DeletionDecision:
 
 
 def decide_release(
-    policy: ReclaimPolicy, reports: Mapping[str, NodeReport], cluster: ClusterView
+    policy: ReclaimPolicy, reports: Mapping[str, NodeReport], cluster: ClusterSnapshot
 ) -> DeletionDecision:
     holding = sorted(node for node, report in reports.items() if report.holds_files)
     if policy is ReclaimPolicy.RETAIN:

@@ -15,15 +15,22 @@ from typing import Any
 import kopf
 
 from kvshm.api import (
+    InvalidAddressError,
+    OffloadNode,
     OffloadRegion,
     ReclaimOutcome,
     ReclaimPolicy,
+    RegionAddress,
     RegionPhase,
     SpecError,
+    parse_node_reports,
+    parse_offload_node,
     parse_offload_region,
+    region_key,
 )
+from kvshm.api.status import format_timestamp
 from kvshm.operator import metrics
-from kvshm.operator.cluster import ClusterView, first_values
+from kvshm.operator.cluster import ClusterSnapshot, first_values
 from kvshm.operator.config import OperatorConfig
 from kvshm.operator.deletion import decide_release
 from kvshm.operator.kube import ClusterWriter, KubernetesClientWriter
@@ -44,13 +51,6 @@ from kvshm.operator.phases import (
     worth_writing,
 )
 from kvshm.operator.placement import Verdict, place
-from kvshm.operator.reports import (
-    NodeInventory,
-    format_timestamp,
-    parse_inventory,
-    parse_node_reports,
-    region_file_path,
-)
 from kvshm.operator.settings import FINALIZER, configure
 
 
@@ -96,30 +96,30 @@ async def node_labels(name: str, labels: Mapping[str, str], **_: Any) -> dict[st
     return {name: dict(labels)}
 
 
-async def agents(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeInventory]:
-    return {name: parse_inventory(body)}
+async def agents(body: kopf.Body, **_: Any) -> dict[str, OffloadNode]:
+    node = parse_offload_node(body)
+    return {} if node is None else {node.name: node}
 
 
 async def region_paths(
     namespace: str | None, name: str, spec: kopf.Spec, **_: Any
 ) -> dict[str, str]:
-    """Region key -> its file's path: every path here is claimed, whatever an agent says.
+    """Region key -> its file 0's path: every path here is claimed, whatever an agent says.
     (Indexed twice: all regions, and live ones, those not being deleted.)"""
-    instance_id = spec.get("instanceId") or name
-    namespace = namespace or "default"
     try:
-        return {f"{namespace}/{name}": region_file_path(namespace, name, str(instance_id))}
-    except ValueError:
+        address = RegionAddress(namespace or "default", name, str(spec.get("instanceId") or name))
+    except InvalidAddressError:
         return {}  # an invalid instance id names no file
+    return {address.key: address.file_0_path}
 
 
 def _cluster(
     config: OperatorConfig,
     node_labels: kopf.Index[str, dict[str, str]],
-    agents: kopf.Index[str, NodeInventory],
+    agents: kopf.Index[str, OffloadNode],
     region_paths: kopf.Index[str, str] | None = None,
-) -> ClusterView:
-    return ClusterView(
+) -> ClusterSnapshot:
+    return ClusterSnapshot(
         nodes=first_values(node_labels),
         agents=first_values(agents),
         now=_now(),
@@ -143,7 +143,7 @@ async def validate(
     body: kopf.Body,
     memo: kopf.Memo,
     node_labels: kopf.Index[str, dict[str, str]],
-    agents: kopf.Index[str, NodeInventory],
+    agents: kopf.Index[str, OffloadNode],
     **_: Any,
 ) -> None:
     """Reject what the schema cannot: unknown nodes, an empty match, a size no node holds.
@@ -164,7 +164,7 @@ async def validate(
 # --- OffloadRegion: status, level-based ------------------------------------------------------
 
 
-def _derive(body: kopf.Body, cluster: ClusterView) -> RegionStatus:
+def _derive(body: kopf.Body, cluster: ClusterSnapshot) -> RegionStatus:
     generation = int(body.get("metadata", {}).get("generation") or 0)
     try:
         region = parse_offload_region(body)
@@ -175,7 +175,7 @@ def _derive(body: kopf.Body, cluster: ClusterView) -> RegionStatus:
 
 
 def _reconcile(
-    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, cluster: ClusterView, *, level: bool
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, cluster: ClusterSnapshot, *, level: bool
 ) -> None:
     """Bring status to what the reports say now.
 
@@ -190,7 +190,7 @@ def _reconcile(
         # re-adds it from the stale echo of our own write, and can miss the create handler)
         return
     derived = _derive(body, cluster)
-    key = f"{body.metadata.namespace}/{body.metadata.name}"
+    key = region_key(str(body.metadata.namespace), str(body.metadata.name))
     metrics.TOTALS.set_region_phase(key, derived.phase)
     sent: RegionStatus | None = getattr(memo, "sent", None)
     if not level and not worth_writing(sent, derived):
@@ -227,12 +227,13 @@ async def region_changed(
     patch: kopf.Patch,
     memo: kopf.Memo,
     node_labels: kopf.Index[str, dict[str, str]],
-    agents: kopf.Index[str, NodeInventory],
+    agents: kopf.Index[str, OffloadNode],
     **_: Any,
 ) -> None:
     """Every change (an agent's report, a spec edit) re-derives the status at once."""
     if type == "DELETED":
-        metrics.TOTALS.set_region_phase(f"{body.metadata.namespace}/{body.metadata.name}", None)
+        key = region_key(str(body.metadata.namespace), str(body.metadata.name))
+        metrics.TOTALS.set_region_phase(key, None)
         return
     _reconcile(body, patch, memo, _cluster(_config(memo), node_labels, agents), level=False)
 
@@ -242,7 +243,7 @@ async def region_resync(
     patch: kopf.Patch,
     memo: kopf.Memo,
     node_labels: kopf.Index[str, dict[str, str]],
-    agents: kopf.Index[str, NodeInventory],
+    agents: kopf.Index[str, OffloadNode],
     **_: Any,
 ) -> None:
     """The level-based safety net: what changes with time alone (an agent going silent, a node
@@ -259,7 +260,7 @@ async def release(
     namespace: str,
     memo: kopf.Memo,
     node_labels: kopf.Index[str, dict[str, str]],
-    agents: kopf.Index[str, NodeInventory],
+    agents: kopf.Index[str, OffloadNode],
     **_: Any,
 ) -> None:
     """Hold the finalizer until every node that held the region removed its files."""
@@ -281,14 +282,13 @@ async def release(
         kopf.info(body, reason="Retained", message=decision.summary)
     for item in decision.abandoned:
         kopf.warn(body, reason=item.reason.value, message=f"released anyway: {item.message}")
-    metrics.TOTALS.set_region_phase(f"{namespace}/{name}", None)
+    metrics.TOTALS.set_region_phase(region_key(namespace, name), None)
 
 
 async def _mark_retained(memo: kopf.Memo, region: OffloadRegion, nodes: tuple[str, ...]) -> None:
     """Record retained files in their nodes' specs, so orphan reclaim leaves them alone."""
     writer: ClusterWriter = memo.writer
-    path = region_file_path(region.namespace, region.name, region.instance_id)
-    entry = retained_entry(region.key, path, _now())
+    entry = retained_entry(region.key, region.address.file_0_path, _now())
     for node in nodes:
         await writer.edit_offload_node_spec(node, add_retained(entry))
 
@@ -302,7 +302,7 @@ async def sweep_node(
     patch: kopf.Patch,
     memo: kopf.Memo,
     node_labels: kopf.Index[str, dict[str, str]],
-    agents: kopf.Index[str, NodeInventory],
+    agents: kopf.Index[str, OffloadNode],
     region_paths: kopf.Index[str, str],
     live_region_paths: kopf.Index[str, str],
     **_: Any,
@@ -310,8 +310,10 @@ async def sweep_node(
     """Remove the OffloadNode of a gone node; else decide reclaims from its inventory."""
     config = _config(memo)
     cluster = _cluster(config, node_labels, agents, region_paths)
-    inventory = parse_inventory(body)
-    reason = removal_reason(inventory, cluster)
+    node = parse_offload_node(body)
+    if node is None:
+        return  # no node is named so: nothing speaks for it, nothing to decide
+    reason = removal_reason(node, cluster)
     if reason is not None:
         kopf.warn(body, reason="NodeGone", message=reason)
         writer: ClusterWriter = memo.writer
@@ -320,7 +322,7 @@ async def sweep_node(
         return
 
     decision = decide_reclaims(
-        inventory,
+        node,
         cluster.regions.values(),
         getattr(memo, "orphan_clock", None) or OrphanClock(),
         cluster.now,
@@ -329,7 +331,7 @@ async def sweep_node(
         live_paths=first_values(live_region_paths).values(),
     )
     memo.orphan_clock = decision.clock
-    reclaims = reclaims_after(inventory, decision, cluster.now)
+    reclaims = reclaims_after(node, decision, cluster.now)
     if reclaims is not None:
         patch.spec["reclaims"] = reclaims
     if decision.forget_retained:

@@ -2,10 +2,19 @@
 
 An orphan is a region-shaped file that no OffloadRegion claims and that no live process holds.
 A reclaim is requested only for a file that has been an orphan *continuously* for the grace
-period: any moment it is claimed or held restarts its clock. Two views of "claimed" are both
-honoured — the agent's (claimedBy) and the operator's own (the paths of every region it
-knows) — so a disagreement refuses rather than deletes. The clock lives in the operator's
-memory: a restart starts it again, which can only delay a reclaim, never hasten one.
+period. Two views of "claimed" are both honoured — the agent's (claimedBy) and the operator's
+own (the paths of every region it knows) — so a disagreement refuses rather than deletes.
+
+Where the orphan's time starts:
+- the agent's `firstSeenUnclaimed` (kept by the agent over its restarts, reset by it whenever a
+  region claims the file): the grace period survives operator restarts;
+- unless this operator saw the file held or claimed since then: its time starts again when the
+  operator next sees it an orphan (the agent's time says nothing about holders). That memory
+  is the operator's; after a restart only the agent's time is left, and the agent checks
+  holders again before it removes anything;
+- without `firstSeenUnclaimed` (an agent that does not publish it), when this operator first
+  saw it an orphan.
+Times are compared across machines, as heartbeats are: the clocks must be synchronised.
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
-from kvshm.operator.reports import InventoryFile, NodeInventory, ReclaimResult
+from kvshm.api import InventoryFile, OffloadNode, ReclaimRequest, ReclaimResult
+from kvshm.api.status import format_timestamp
 
 
 class Refusal(StrEnum):
@@ -28,7 +38,7 @@ class Refusal(StrEnum):
 
 @dataclass(frozen=True)
 class OrphanClock:
-    """Per-node memory between sweeps."""
+    """Per-node memory between sweeps (lost on restart: see the module's docstring)."""
 
     since: Mapping[str, datetime] = field(default_factory=dict)  # path -> orphaned since
     refused: Mapping[str, Refusal] = field(default_factory=dict)  # path -> last refusal
@@ -36,10 +46,21 @@ class OrphanClock:
 
 
 @dataclass(frozen=True)
-class ReclaimRequest:
+class DueReclaim:
+    """An orphan past its grace period: the decision behind one spec.reclaims entry."""
+
     path: str
     size_bytes: int
     orphaned_since: datetime
+
+    def request(self, now: datetime) -> ReclaimRequest:
+        return ReclaimRequest(
+            self.path,
+            self.size_bytes,
+            requested_at=now,
+            reason=f"orphaned since {format_timestamp(self.orphaned_since)}: no OffloadRegion "
+            "claims it and no process holds it",
+        )
 
 
 @dataclass(frozen=True)
@@ -53,8 +74,8 @@ class Refused:
 class OrphanDecision:
     clock: OrphanClock
     orphans: tuple[InventoryFile, ...] = ()  # unclaimed and unheld right now
-    requests: tuple[ReclaimRequest, ...] = ()  # to write into spec.reclaims now
-    would_reclaim: tuple[ReclaimRequest, ...] = ()  # dry run: announced, not requested
+    requests: tuple[DueReclaim, ...] = ()  # to write into spec.reclaims now
+    would_reclaim: tuple[DueReclaim, ...] = ()  # dry run: announced, not requested
     withdrawals: tuple[Refused, ...] = ()  # pending requests that are no longer safe
     refusals: tuple[Refused, ...] = ()  # refusals that started with this sweep
     results: tuple[ReclaimResult, ...] = ()  # agent answers to pending requests: close them
@@ -75,18 +96,30 @@ def _unsafe(item: InventoryFile, claimed_paths: frozenset[str]) -> tuple[Refusal
     return None
 
 
-def _claimed_by_another(inventory: NodeInventory, path: str, retained_for: object) -> bool:
+def _claimed_by_another(node: OffloadNode, path: str, retained_for: str) -> bool:
     """Whether the agent reports the file claimed by a region other than the one it was
     retained for. The deleted region's own claim stays in the inventory until its agent
     catches up, and must not undo the retention it just asked for."""
     return any(
         item.path == path and item.claimed_by and item.claimed_by != retained_for
-        for item in inventory.files
+        for item in node.status.files
     )
 
 
+def _orphaned_since(item: InventoryFile, clock: OrphanClock, now: datetime) -> datetime:
+    """When the file's time as an orphan started (the module's docstring says why)."""
+    if item.path in clock.since:  # an orphan at the last sweep too
+        known = clock.since[item.path]
+        agent = item.first_seen_unclaimed
+        # a claim the agent saw between two sweeps restarted its time: take the later
+        return max(known, agent) if agent is not None else known
+    if clock.refused.get(item.path) in (Refusal.HELD, Refusal.CLAIMED):
+        return now  # held or claimed at the last sweep: an orphan from now on
+    return item.first_seen_unclaimed or now
+
+
 def decide_reclaims(
-    inventory: NodeInventory,
+    node: OffloadNode,
     claimed_paths: Iterable[str],
     clock: OrphanClock,
     now: datetime,
@@ -101,15 +134,16 @@ def decide_reclaims(
     claims is in use again)."""
     claimed = frozenset(claimed_paths)
     live = frozenset(live_paths)
-    pending = inventory.reclaim_requests.keys()
-    answered = {result.path: result for result in inventory.reclaim_results}
+    pending = {request.path for request in node.reclaims}
+    answered = {result.path: result for result in node.status.reclaims}
     since: dict[str, datetime] = {}
     refused: dict[str, Refusal] = {}
     orphans, requests, would, withdrawals, refusals = [], [], [], [], []
     reported = set()
-    present = {item.path for item in inventory.files}
+    present = {item.path for item in node.status.files}
+    retained = {entry.path: entry for entry in node.retained}
 
-    for item in inventory.files:
+    for item in node.status.files:
         unsafe = _unsafe(item, claimed)
         if unsafe is not None:
             reason, message = unsafe
@@ -122,13 +156,13 @@ def decide_reclaims(
                 refusals.append(Refused(item.path, reason, message))
             continue
         orphans.append(item)
-        if item.path in inventory.retained:
+        if item.path in retained:
             continue  # kept on purpose (reclaimPolicy Retain) until an admin releases it
-        started = clock.since.get(item.path, now)
+        started = _orphaned_since(item, clock, now)
         since[item.path] = started
         if item.path in pending:
             continue
-        waited = (now - started).total_seconds()
+        waited = max(0.0, (now - started).total_seconds())
         if waited < grace_seconds:
             refused[item.path] = Refusal.GRACE
             if clock.refused.get(item.path) is not Refusal.GRACE:
@@ -141,7 +175,7 @@ def decide_reclaims(
                     )
                 )
             continue
-        request = ReclaimRequest(item.path, item.size_bytes, started)
+        request = DueReclaim(item.path, item.size_bytes, started)
         if dry_run:
             reported.add(item.path)
             if item.path not in clock.dry_run_reported:
@@ -160,10 +194,10 @@ def decide_reclaims(
         forget_retained=tuple(
             sorted(
                 path
-                for path, entry in inventory.retained.items()
+                for path, entry in retained.items()
                 if path not in present
                 or path in live
-                or _claimed_by_another(inventory, path, entry.get("region"))
+                or _claimed_by_another(node, path, entry.region)
             )
         ),
     )

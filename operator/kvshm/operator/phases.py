@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from kvshm.api import NodeRegionPhase, OffloadRegion, RegionPhase
+from kvshm.api import NodeRegionPhase, NodeReport, OffloadRegion, RegionPhase
 from kvshm.api.messages import (
     MAX_CONDITION_MESSAGE,
     MAX_STATUS_MESSAGE,
@@ -20,11 +20,10 @@ from kvshm.api.messages import (
     bounded,
     summarize,
 )
-from kvshm.operator.cluster import AgentState, ClusterView
+from kvshm.operator.cluster import AgentState, ClusterSnapshot
 from kvshm.operator.conditions import Condition, ConditionType, merge_conditions
 from kvshm.operator.deletion import decide_release
 from kvshm.operator.placement import Placement, PlacementReason, Verdict, place
-from kvshm.operator.reports import NodeReport
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ def derive_invalid(message: str, generation: int) -> RegionStatus:
 def derive_status(
     region: OffloadRegion,
     reports: Mapping[str, NodeReport],
-    cluster: ClusterView,
+    cluster: ClusterSnapshot,
     deleting: bool = False,
 ) -> RegionStatus:
     placement = place(region, cluster)
@@ -143,7 +142,7 @@ def _phase(reports: Mapping[str, NodeReport], node: str) -> NodeRegionPhase | No
 
 
 def _node_problems(
-    targets: tuple[str, ...], reports: Mapping[str, NodeReport], cluster: ClusterView
+    targets: tuple[str, ...], reports: Mapping[str, NodeReport], cluster: ClusterSnapshot
 ) -> list[tuple[str, str]]:
     """(reason, message) for every target node that cannot make progress, worst first."""
     failures = []

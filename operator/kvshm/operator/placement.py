@@ -13,7 +13,7 @@ from enum import StrEnum
 
 from kvshm.api import OffloadRegion, RegionPlacement
 from kvshm.api.messages import summarize
-from kvshm.operator.cluster import AgentState, ClusterView
+from kvshm.operator.cluster import AgentState, ClusterSnapshot
 
 
 class Verdict(StrEnum):
@@ -42,7 +42,7 @@ def _gib(size: int) -> str:
     return f"{size / 2**30:.2f} GiB"
 
 
-def place(region: OffloadRegion, cluster: ClusterView) -> Placement:
+def place(region: OffloadRegion, cluster: ClusterSnapshot) -> Placement:
     """The nodes a region belongs on, and whether its placement can work at all."""
     wanted = region.placement
     if not wanted.node_names and not wanted.node_selector:
@@ -82,13 +82,13 @@ def place(region: OffloadRegion, cluster: ClusterView) -> Placement:
 
 
 def _check_capacity(
-    region: OffloadRegion, cluster: ClusterView, targets: tuple[str, ...]
+    region: OffloadRegion, cluster: ClusterSnapshot, targets: tuple[str, ...]
 ) -> Placement:
     size = region.size_bytes
     capacities = {
-        name: cluster.agents[name].capacity_bytes
+        name: cluster.agents[name].status.capacity_bytes
         for name in targets
-        if name in cluster.agents and cluster.agents[name].capacity_bytes is not None
+        if name in cluster.agents and cluster.agents[name].status.capacity_bytes is not None
     }
     if any(capacity >= size for capacity in capacities.values() if capacity is not None):
         return Placement(Verdict.ACCEPTED, PlacementReason.ACCEPTED, "placement accepted", targets)
@@ -122,7 +122,7 @@ def _describe(placement: RegionPlacement) -> str:
     return ", ".join(parts)
 
 
-def _why_unmeasured(cluster: ClusterView, node: str) -> str:
+def _why_unmeasured(cluster: ClusterSnapshot, node: str) -> str:
     if cluster.agent_state(node) is AgentState.ALIVE:
         return f"the agent on {node} has not measured it yet"
     return cluster.silence_message(node)

@@ -12,6 +12,7 @@ from kubernetes import client, config
 from kvshm.agent.cluster.sink import ClusterSink
 from kvshm.agent.cluster.source import ClusterSource
 from kvshm.agent.metrics import AgentMetrics
+from kvshm.api import NodeInventory, NodeName
 
 
 def load_configuration(kubeconfig: str | None) -> client.Configuration:
@@ -28,17 +29,8 @@ def load_configuration(kubeconfig: str | None) -> client.Configuration:
 
 def unclaimed_since(status: Mapping[str, Any]) -> dict[str, datetime]:
     """firstSeenUnclaimed of the last published inventory, to carry over a restart."""
-    files = status.get("files")
-    since = {}
-    for entry in files if isinstance(files, list) else []:
-        stamp = entry.get("firstSeenUnclaimed") if isinstance(entry, Mapping) else None
-        if not isinstance(stamp, str):
-            continue
-        try:
-            since[str(entry.get("path"))] = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-        except ValueError:
-            continue
-    return since
+    files = NodeInventory.from_status(status).files
+    return {f.path: f.first_seen_unclaimed for f in files if f.first_seen_unclaimed is not None}
 
 
 def connect_cluster(
@@ -49,11 +41,12 @@ def connect_cluster(
     *,
     resync_seconds: float = 30.0,
 ) -> tuple[ClusterSource, ClusterSink, dict[str, datetime]]:
+    node = NodeName(node_name)  # checked before anything is asked of the API server
     configuration = load_configuration(kubeconfig)
     make_client: Callable[[], client.ApiClient] = lambda: client.ApiClient(configuration)  # noqa: E731
     sink = ClusterSink(
         make_client(),
-        node_name,
+        node,
         version,
         count_error=metrics.error,
         heartbeat_seconds=resync_seconds,
@@ -61,7 +54,7 @@ def connect_cluster(
     previous = sink.ensure_node()
     source = ClusterSource(
         make_client,
-        node_name,
+        node,
         on_watch_restart=metrics.watch_restarted,
         labels_refresh_seconds=resync_seconds,
     )

@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,8 +23,19 @@ from kubernetes.client.exceptions import ApiException
 from kvshm.agent.cluster import rest
 from kvshm.agent.errors import ErrorReason
 from kvshm.agent.gate import ReportGate
-from kvshm.agent.reports import AgentEvent, NodeReport, PassResult, format_timestamp
-from kvshm.api import GROUP, NODE_KIND, NODE_PLURAL, REGION_KIND, REGION_PLURAL, VERSION
+from kvshm.agent.reports import AgentEvent, PassResult
+from kvshm.api import (
+    GROUP,
+    NODE_KIND,
+    NODE_PLURAL,
+    REGION_KIND,
+    REGION_PLURAL,
+    VERSION,
+    NodeName,
+    NodeReport,
+)
+from kvshm.api.address import split_region_key
+from kvshm.api.status import format_timestamp
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +50,7 @@ class ClusterSink:
     def __init__(
         self,
         api_client: client.ApiClient,
-        node_name: str,
+        node_name: NodeName,
         version: str,
         *,
         count_error: Callable[[ErrorReason], None],
@@ -52,7 +64,7 @@ class ClusterSink:
         self._count_error = count_error
         self._heartbeat_seconds = heartbeat_seconds
         self._gate = ReportGate(progress_seconds)
-        self._transitions: dict[str, tuple[str, str]] = {}  # key -> (phase, since)
+        self._transitions: dict[str, tuple[str, datetime]] = {}  # key -> (phase, since)
         self._node_status: dict[str, Any] | None = None
         self._node_status_at = 0.0
 
@@ -82,12 +94,15 @@ class ClusterSink:
         return status
 
     def _publish_node(self, result: PassResult) -> None:
-        if result.inventory is None:
+        if result.root_scan is None:
             return
-        status = result.inventory.to_status()
-        status["agentVersion"] = self._version
-        status["reclaims"] = [r.to_status() for _, r in sorted(result.reclaims.items())]
-        status["conditions"] = [self._root_condition(result.inventory.problems)]
+        inventory = replace(
+            result.root_scan.inventory,
+            reclaims=tuple(r for _, r in sorted(result.reclaims.items())),
+            agent_version=self._version,
+        )
+        status = inventory.to_status()
+        status["conditions"] = [self._root_condition(result.root_scan.problems)]
         steady = {k: v for k, v in status.items() if k not in _VOLATILE}
         steady["files"] = [
             {k: v for k, v in f.items() if k != "ageSeconds"} for f in status["files"]
@@ -144,10 +159,9 @@ class ClusterSink:
 
     def _publish_reports(self, reports: Mapping[str, NodeReport]) -> None:
         for key, report in sorted(self._gate.due(reports).items()):
-            namespace, name = key.split("/", 1)
-            entry = report.to_status()
-            entry["lastTransitionTime"] = self._transition_time(key, report)
-            patch = {"status": {"nodes": {self.node_name: entry}}}
+            namespace, name = split_region_key(key)
+            entry = replace(report, last_transition_time=self._transition_time(key, report))
+            patch = {"status": {"nodes": {self.node_name: entry.to_status()}}}
             try:
                 self._custom.patch_namespaced_custom_object_status(
                     GROUP,
@@ -167,11 +181,11 @@ class ClusterSink:
                 continue
             self._gate.published(key, report)
 
-    def _transition_time(self, key: str, report: NodeReport) -> str:
-        phase = report.phase.value
+    def _transition_time(self, key: str, report: NodeReport) -> datetime:
+        phase = report.phase_name
         last = self._transitions.get(key)
         if last is None or last[0] != phase:
-            last = (phase, format_timestamp(datetime.now(UTC)))
+            last = (phase, datetime.now(UTC))
             self._transitions[key] = last
         return last[1]
 
@@ -180,7 +194,7 @@ class ClusterSink:
     def _publish_event(self, event: AgentEvent) -> None:
         now = format_timestamp(datetime.now(UTC))
         if event.region_key:
-            namespace, name = event.region_key.split("/", 1)
+            namespace, name = split_region_key(event.region_key)
             involved = {
                 "apiVersion": f"{GROUP}/{VERSION}",
                 "kind": REGION_KIND,

@@ -3,7 +3,6 @@ resync; the agent may only `get` Nodes) and the reclaims in its OffloadNode's sp
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -14,36 +13,34 @@ from kubernetes.client.exceptions import ApiException
 
 from kvshm.agent.cluster import rest
 from kvshm.agent.cluster.watcher import ListWatch
-from kvshm.agent.reclaim import ReclaimRequest
 from kvshm.agent.view import ClusterView, KnownRegion
-from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION, SpecError, parse_offload_region
+from kvshm.api import (
+    GROUP,
+    NODE_PLURAL,
+    REGION_PLURAL,
+    VERSION,
+    NodeName,
+    ReclaimRequest,
+    SpecError,
+    parse_offload_region,
+)
+from kvshm.api.status import parse_reclaim_requests
 
 log = logging.getLogger(__name__)
 
 
 def parse_reclaims(node: Mapping[str, Any] | None) -> tuple[ReclaimRequest, ...]:
-    """spec.reclaims of an OffloadNode; each request's whole content is its token, so a request
-    the operator writes again (a new requestedAt) is executed again."""
-    entries = ((node or {}).get("spec") or {}).get("reclaims") or []
-    requests = []
-    for entry in entries:
-        if isinstance(entry, Mapping) and isinstance(entry.get("path"), str):
-            size = entry.get("sizeBytes")
-            requests.append(
-                ReclaimRequest(
-                    entry["path"],
-                    json.dumps(entry, sort_keys=True, default=str),
-                    size if isinstance(size, int) and not isinstance(size, bool) else None,
-                )
-            )
-    return tuple(requests)
+    """spec.reclaims of this node's OffloadNode (a request written again with a new
+    requestedAt has a new token, and is executed again)."""
+    spec = (node or {}).get("spec")
+    return parse_reclaim_requests(spec if isinstance(spec, Mapping) else None)
 
 
 class ClusterSource:
     def __init__(
         self,
         api_client: Callable[[], client.ApiClient],
-        node_name: str,
+        node_name: NodeName,
         *,
         on_watch_restart: Callable[[], None],
         labels_refresh_seconds: float = 30.0,

@@ -16,6 +16,8 @@ from typing import Any
 from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
+from kvshm.api import region_key
+
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
@@ -38,7 +40,7 @@ def object_key(obj: Mapping[str, Any]) -> str:
     metadata = obj.get("metadata") or {}
     namespace = metadata.get("namespace")
     name = str(metadata.get("name", ""))
-    return f"{namespace}/{name}" if namespace else name
+    return region_key(namespace, name) if namespace else name
 
 
 class ListWatch:

@@ -7,10 +7,11 @@ import time
 from typing import TextIO
 
 from kvshm.agent.gate import ReportGate
+from kvshm.agent.inventory import RootScan
 from kvshm.agent.printable import encodable, printable
-from kvshm.agent.reports import EventReason, NodeInventory, NodeReport, PassResult
+from kvshm.agent.reports import EventReason, PassResult
 from kvshm.agent.sizes import format_bytes
-from kvshm.api import NodeRegionPhase
+from kvshm.api import NodeRegionPhase, NodeReport
 
 # Status lines already tell phase changes; these events add what a status line cannot.
 _PRINTED_EVENTS = frozenset(
@@ -45,16 +46,16 @@ def status_line(key: str, report: NodeReport) -> str:
     details = [d for d in (_progress(report), report.message) if d]
     if report.phase is NodeRegionPhase.READY and report.path:
         details.append(report.path)
-    return f"{key}  {report.phase.value}  " + "  ".join(details)
+    return f"{key}  {report.phase_name}  " + "  ".join(details)
 
 
-def format_table(reports: dict[str, NodeReport], inventory: NodeInventory | None) -> str:
+def format_table(reports: dict[str, NodeReport], scan: RootScan | None) -> str:
     rows = [("REGION", "PHASE", "SIZE", "POPULATED", "LOCKED", "SECONDS", "PATH / MESSAGE")]
     for key, report in sorted(reports.items()):
         rows.append(
             (
                 key,
-                report.phase.value,
+                report.phase_name,
                 format_bytes(report.size_bytes) if report.size_bytes else "-",
                 format_bytes(report.populated_bytes) if report.size_bytes else "-",
                 "yes" if report.locked else "no",
@@ -69,15 +70,16 @@ def format_table(reports: dict[str, NodeReport], inventory: NodeInventory | None
     ]
     if len(rows) == 1:
         lines.append("(no regions)")
-    if inventory is not None:
+    if scan is not None:
+        inventory = scan.inventory
         lines.append(
-            f"root {inventory.root}: {format_bytes(inventory.capacity_bytes)} capacity, "
-            f"{format_bytes(inventory.free_bytes)} free"
+            f"root {scan.root}: {format_bytes(inventory.capacity_bytes or 0)} capacity, "
+            f"{format_bytes(inventory.free_bytes or 0)} free"
         )
         for file in inventory.orphans:
             held = "held by a process" if file.held else "not held"
             lines.append(
-                f"orphaned: {inventory.root}/{file.path} ({format_bytes(file.size_bytes)}, "
+                f"orphaned: {scan.root}/{file.path} ({format_bytes(file.size_bytes)}, "
                 f"{held}): no region claims it; remove it once nothing uses it"
             )
     return "\n".join(lines)
@@ -98,7 +100,7 @@ class ConsoleSink:
         for key, report in sorted(self._gate.due(result.reports).items()):
             self._print(status_line(key, report))
             self._gate.published(key, report)
-        problems = tuple(result.problems) + (result.inventory.problems if result.inventory else ())
+        problems = tuple(result.problems) + (result.root_scan.problems if result.root_scan else ())
         for problem in problems:
             if problem not in self._problems:
                 self._print(f"problem: {problem}")
@@ -107,7 +109,7 @@ class ConsoleSink:
 
     def close(self) -> None:
         if self._last is not None:
-            table = format_table(self._last.reports, self._last.inventory)
+            table = format_table(self._last.reports, self._last.root_scan)
             lines = [printable(line) for line in table.split("\n")]
             self._out.write(encodable("\n".join(lines) + "\n", self._out))
             self._out.flush()

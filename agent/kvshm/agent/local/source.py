@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from kvshm.agent.view import ClusterView, KnownRegion
-from kvshm.api import REGION_KIND, SpecError, parse_offload_region
+from kvshm.api import REGION_KIND, SpecError, parse_offload_region, region_key
 from kvshm.region import safefile
 from kvshm.region.safefile import describe_file_type
 
@@ -99,7 +99,7 @@ def _document_key(document: Mapping[str, Any]) -> str | None:
     if not isinstance(metadata, Mapping) or not isinstance(metadata.get("name"), str):
         return None
     namespace = metadata.get("namespace") or "default"
-    return f"{namespace}/{metadata['name']}"
+    return region_key(str(namespace), metadata["name"])
 
 
 class LocalDirectorySource:
