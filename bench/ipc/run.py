@@ -315,4 +315,4 @@ def cpu_model() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
