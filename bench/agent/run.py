@@ -244,8 +244,9 @@ def idle_cluster(directory: Path, regions: int, region_mib: int, seconds: float)
         install_rbac(admin, "kvshm-system")
         core = kubernetes.client.CoreV1Api(admin)
         custom = kubernetes.client.CustomObjectsApi(admin)
-        core.create_namespace({"metadata": {"name": "bench"}})
-        core.create_node({"metadata": {"name": "bench-node"}})
+        meta = kubernetes.client.V1ObjectMeta
+        core.create_namespace(kubernetes.client.V1Namespace(metadata=meta(name="bench")))
+        core.create_node(kubernetes.client.V1Node(metadata=meta(name="bench-node")))
         for index in range(regions):
             manifest = region_manifest(f"idle-{index:03d}", region_mib << 20)
             custom.create_namespaced_custom_object(

@@ -19,7 +19,6 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -315,4 +314,4 @@ def cpu_model() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "bench" / "vllm_plugin"), str(REPO)]
+sys.path[:0] = [str(REPO)]
 
-import run as plugin_bench  # noqa: E402
+from bench.vllm_plugin import run as plugin_bench  # noqa: E402
 from tests.vllm_plugin.layouts import KvLayout, canonical_kv_caches  # noqa: E402
 from tests.vllm_plugin.regions import agent_region, remove_region  # noqa: E402
 

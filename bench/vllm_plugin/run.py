@@ -39,11 +39,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "bench" / "transfer"), str(REPO)]
+sys.path[:0] = [str(REPO)]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_transfer import GIB, MIB, Compute, beside_compute, gbps, link_peak, wall  # noqa: E402
+from bench.common.gpu import GIB, MIB, Compute, beside_compute, gbps, link_peak, wall  # noqa: E402
 from tests.vllm_plugin.layouts import REAL_LAYOUTS, KvLayout, canonical_kv_caches  # noqa: E402
 from tests.vllm_plugin.regions import agent_region  # noqa: E402
 
@@ -118,7 +118,7 @@ def vllm_platform_note() -> str:
         reason = f"vllm.platforms.cuda did not load ({exc!r})"
     from vllm.platforms.interface import Platform, PlatformEnum
 
-    class MinimalCuda(Platform):  # type: ignore[misc]
+    class MinimalCuda(Platform):
         _enum = PlatformEnum.CUDA
         device_name = "cuda"
         device_type = "cuda"  # Stream, stream, current_stream: torch.cuda's

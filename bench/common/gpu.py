@@ -1,0 +1,102 @@
+"""What the GPU benchmarks share: units, timing from an idle GPU, the link's peak, and matrix
+products standing in for a serving engine's compute (bench/transfer, bench/vllm_plugin)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+KIB, MIB, GIB = 1024, 1024**2, 1024**3
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def median_seconds(run: Callable[[], float], reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        run()
+    return statistics.median(run() for _ in range(reps))
+
+
+def wall(issue: Callable[[], None]) -> float:
+    """Seconds from an idle GPU to the end of everything `issue` queued."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    issue()
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def link_peak(reps: int) -> dict[str, float]:
+    """GB/s of one 1 GiB contiguous pinned copy each way ("H2D", "D2H"), and of one each way at
+    once ("both"): the link's peak that the benchmarks' goals are fractions of."""
+    host = [torch.empty(GIB, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    for buffer in host:  # never time zeros
+        buffer.view(torch.int64).copy_(torch.arange(GIB // 8, dtype=torch.int64))
+    device = [torch.empty(GIB, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+
+    def h2d() -> None:
+        with torch.cuda.stream(streams[0]):
+            device[0].copy_(host[0], non_blocking=True)
+
+    def d2h() -> None:
+        with torch.cuda.stream(streams[1]):
+            host[1].copy_(device[1], non_blocking=True)
+
+    def both() -> None:
+        h2d()
+        d2h()
+
+    return {
+        "H2D": gbps(GIB, median_seconds(lambda: wall(h2d), reps)),
+        "D2H": gbps(GIB, median_seconds(lambda: wall(d2h), reps)),
+        "both": gbps(2 * GIB, median_seconds(lambda: wall(both), reps)),
+    }
+
+
+class Compute:
+    """bf16 4096 x 4096 matrix products on their own stream, standing in for decode steps."""
+
+    def __init__(self) -> None:
+        self.a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        self.stream = torch.cuda.Stream()
+        self.ms_each = self.run(50) / 50
+
+    def start(self, count: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            for _ in range(count):
+                torch.mm(self.a, self.a)
+            end.record(self.stream)
+        return start, end
+
+    def run(self, count: int) -> float:
+        """Milliseconds `count` products take alone."""
+        start, end = self.start(count)
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+
+def beside_compute(
+    compute: Compute, nbytes: int, issue_and_wait: Callable[[], None], reps: int
+) -> tuple[float, float]:
+    """(GB/s of the transfer, how many times as long the products take) with products of
+    about the transfer's length queued first on their own stream."""
+    count = max(1, round(nbytes / 50e9 * 1e3 / compute.ms_each))
+    alone = statistics.median(compute.run(count) for _ in range(reps))
+    rates, slowed = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = compute.start(count)
+        started = time.perf_counter()
+        issue_and_wait()
+        rates.append(gbps(nbytes, time.perf_counter() - started))
+        end.synchronize()
+        slowed.append(start.elapsed_time(end) / alone)
+    return statistics.median(rates), statistics.median(slowed)

@@ -1,0 +1,102 @@
+"""The benchmarks still run: every script prints its usage, every shared module imports, the
+CPU benchmarks finish a tiny run, and on a GPU machine the transfer benchmark does too.
+Nothing else runs them in CI, so this is what keeps them from rotting."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
+SCRIPTS = sorted(p for p in BENCH.rglob("*.py") if '__name__ == "__main__"' in p.read_text())
+SHARED_MODULES = sorted(set(BENCH.rglob("*.py")) - set(SCRIPTS))
+
+
+def name_of(path: Path) -> str:
+    return str(path.relative_to(BENCH))
+
+
+def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """A benchmark's command line, from the repository root, as its docstring says to run it."""
+    path = os.pathsep.join(str(REPO / root) for root in ("agent", "operator"))
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=os.environ | {"PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_the_bench_tree_has_scripts_and_shared_modules() -> None:
+    # the globs above found what they are meant to (an empty parametrization would pass)
+    assert {"transfer/bench_transfer.py", "populate/run.py"} <= {name_of(p) for p in SCRIPTS}
+    assert "common/gpu.py" in {name_of(p) for p in SHARED_MODULES}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=name_of)
+def test_each_benchmark_prints_its_usage(script: Path) -> None:
+    result = run(str(script), "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage:")
+
+
+@pytest.mark.parametrize("module", SHARED_MODULES, ids=name_of)
+def test_each_shared_module_imports(module: Path) -> None:
+    name = ".".join(module.relative_to(REPO).with_suffix("").parts)
+    result = run("-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); import {name}")
+    assert result.returncode == 0, result.stderr
+
+
+def tiny_cpu_runs(directory: Path) -> dict[str, tuple[list[str], str]]:
+    """Per CPU benchmark: arguments for a run of a few seconds, and a line its table prints."""
+    where = ["--directory", str(directory)]
+    idle = ["--idle-regions", "2", "--idle-region-mib", "8", "--idle-seconds", "1"]
+    return {
+        "ipc": (["bench/ipc/run.py", "--quick", "--cases", "64x1", "--repeat", "1"], "kvshm"),
+        "agent": (
+            ["bench/agent/run.py", "--sizes-gib", "0.0625", "--repeat", "1", *where, *idle],
+            "RSS private",
+        ),
+        "populate": (
+            ["bench/populate/run.py", "--gib", "0.25", "--tp", "2", "--repeat", "1", *where],
+            "kvshm agent",
+        ),
+        "attach": (
+            ["bench/attach/run.py", "--quick", "--gib", "0.25", "--tp", "1", "2", *where],
+            "kvshm attach of the agent's region",
+        ),
+    }
+
+
+@pytest.mark.parametrize("bench", ["ipc", "agent", "populate", "attach"])
+def test_each_cpu_benchmark_finishes_a_tiny_run_and_leaves_nothing(
+    bench: str, shm_dir: Path
+) -> None:
+    args, printed = tiny_cpu_runs(shm_dir)[bench]
+    result = run(*args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert printed in result.stdout
+    assert list(shm_dir.iterdir()) == []
+
+
+@pytest.mark.gpu
+def test_the_transfer_benchmark_finishes_a_tiny_run(shm_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "transfer.json"
+    args = ["--sizes", "64", "--layers", "0", "--reps", "1", "--pass-mib", "256"]
+    result = run(
+        "bench/transfer/bench_transfer.py", *args, "--json", str(out), "--dir", str(shm_dir)
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert [row["dir"] for row in figures["two"]] == ["H2D", "D2H", "both"]
+    assert all(row["kvshm"] > 0 for row in figures["two"])
+    assert len(figures["goals"]) == 2
+    assert list(shm_dir.iterdir()) == []
