@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import vllm_modules
-
 from kvshm.region import RegionFormat, RegionLayout, SharedOffloadRegion
 
 GIB = 1024**3

@@ -62,7 +62,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench import vllm_modules  # noqa: E402
 from bench.region_common import (  # noqa: E402
     AgentRegion,
     Geometry,
@@ -73,6 +72,7 @@ from bench.region_common import (  # noqa: E402
     vllm_source,
 )
 
+from bench import vllm_modules  # noqa: E402
 from kvshm.region import SharedOffloadRegion  # noqa: E402
 
 TICK_S = 0.001
