@@ -292,7 +292,7 @@ def test_many_layers_of_small_pages_are_staged_and_byte_exact(
     assert store._chooser.choose(store._planner.plan(specs[0])).name == "staged"
     # one group, one block per chunk, pages back to back in the cell: the jobs are planned
     # from their ids alone (kvshm.transfer.uniform), in pieces of 4 cells per buffer
-    assert store._uniform is not None and pair.cpu_to_gpu_handler._uniform is not None
+    assert store._uniform_by_policy and pair.cpu_to_gpu_handler._uniform_by_policy
     for job, spec in enumerate(specs):
         assert store.transfer_async(job, spec)
     store.wait([0, 1])
@@ -335,3 +335,54 @@ def test_staging_buffers_that_do_not_fit_the_gpu_leave_staging_out(
     cells = region_bytes(region)[:, : LAYERS * PAGE].reshape(16, LAYERS, PAGE)
     assert np.array_equal(cells[:, 5], gpu[5].cpu().numpy().view(np.uint8))
     pair.shutdown()
+
+
+@pytest.mark.parametrize("regions", [(32, LAYERS * PAGE)], indirect=True)
+def test_a_job_gets_the_beside_backend_while_the_other_direction_is_busy(
+    regions: list[SharedOffloadRegion],
+) -> None:
+    """Stores by DMA while no load is in flight, staged while one is; every byte lands."""
+    from kvshm.transfer import SingleDirectionOffloadingHandler as Handler
+    from kvshm.transfer.traffic import Traffic
+
+    region = regions[1]
+    gpu = random_block_data(32, PAGE, LAYERS)
+    views = [region.create_next_view(PAGE) for _ in range(LAYERS)]
+    refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
+    traffic = Traffic()
+    store = Handler(
+        gpu, views, 1, refs, True, backend="dma", backend_beside="staged", traffic=traffic
+    )
+    load = Handler(
+        gpu, views, 1, refs, False, backend="dma", backend_beside="staged", traffic=traffic
+    )
+    assert {"dma", "staged"} <= set(store.backends) & set(load.backends)
+
+    def store_job(job_id: int, gpu_ids: list[int], cpu_ids: list[int]) -> str:
+        spec = (GPULoadStoreSpec(gpu_ids, [len(gpu_ids)], [0]), CPULoadStoreSpec(cpu_ids))
+        assert store.backend_for(*spec) in ("dma", "staged")
+        assert store.transfer_async(job_id, *spec)
+        return str(store._jobs[-1].backend)
+
+    assert store_job(1, [0, 1, 2, 3], [10, 11, 12, 13]) == "dma"  # nothing else moving
+    store.wait([1])  # (vLLM loads only blocks whose store finished)
+    # a load in flight (submitted, not yet retired): the next store is staged
+    assert load.transfer_async(2, CPULoadStoreSpec([10, 11]), GPULoadStoreSpec([20, 21], [2], [0]))
+    assert store_job(3, [4, 5, 6, 7], [14, 15, 16, 17]) == "staged"
+    store.wait([1, 3])
+    load.wait([2])
+    assert all(r.success for r in store.get_finished() + load.get_finished())
+    assert store_job(4, [8, 9], [18, 19]) == "dma"  # the load retired
+    store.wait([4])
+    assert all(r.success for r in store.get_finished())
+    cells = region_bytes(region)[:, LAYERS * PAGE : 2 * LAYERS * PAGE]
+    cells = cells.reshape(32, LAYERS, PAGE)
+    for gpu_id, cpu_id in zip([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], range(10, 20), strict=True):
+        for t in (0, 17, LAYERS - 1):
+            expected = gpu[t][gpu_id].cpu().numpy().view(np.uint8)
+            assert np.array_equal(cells[cpu_id, t], expected), (gpu_id, t)
+    for t in (0, LAYERS - 1):  # the load brought cells 10 and 11 (GPU blocks 0, 1) to 20, 21
+        assert torch.equal(gpu[t][20], gpu[t][0]) and torch.equal(gpu[t][21], gpu[t][1])
+    store.shutdown()
+    load.shutdown()
+    del views

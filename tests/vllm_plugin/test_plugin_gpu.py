@@ -174,8 +174,9 @@ def test_calibrated_backends_move_the_right_bytes(layout: KvLayout, tmp_path: Pa
         assert worker.submit_store(1, *store.specs())
         assert finish(worker, {1})[1].success
         print(f"\n{layout.name}: calibrated backends {worker.chosen_backends}")
-        assert set(worker.chosen_backends) == {"store", "load"}
-        assert worker.chosen_backends["store"] in worker.handler_backends()["store"]
+        assert set(worker.chosen_backends) == {"store", "load", "store_beside", "load_beside"}
+        for name in ("store", "store_beside"):
+            assert worker.chosen_backends[name] in worker.handler_backends()["store"]
         pages = [t.page_size_bytes for t in kv.tensors]
         with vllm_views(instance_id, CHUNKS, 0, cell, cell, pages) as views:
             assert_region_matches_gpu(store, kv, views, 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvshm.transfer.backends.base import CopyBackend
@@ -66,10 +66,14 @@ class BackendChooser:
         direction: Direction,
         policy: BackendPolicy,
         override: str | None,
+        required: Sequence[str] = (),
     ) -> None:
-        if override is not None and override not in backends:
-            reason = unavailable.get(override, f"known backends are {', '.join(BACKEND_NAMES)}")
-            raise BackendUnavailableError(f"copy backend {override!r} cannot be used: {reason}")
+        """override: every job's backend; required: backends that must exist (picked by name
+        per job, named())."""
+        for name in [override] if override is not None else required:
+            if name not in backends:
+                reason = unavailable.get(name, f"known backends are {', '.join(BACKEND_NAMES)}")
+                raise BackendUnavailableError(f"copy backend {name!r} cannot be used: {reason}")
         if not backends:
             raise BackendUnavailableError(f"no copy backend can run here: {dict(unavailable)}")
         self._backends = dict(backends)
@@ -97,6 +101,14 @@ class BackendChooser:
         if kernel is not None and batch.mean_copy_bytes < self._kernel_below:
             return kernel
         return self._backends["dma"]
+
+    def named(self, name: str) -> CopyBackend:
+        """A backend by name (one the constructor required)."""
+        return self._backends[name]
+
+    def staged(self) -> StagedBackend | None:
+        staged = self._backends.get("staged")
+        return staged if isinstance(staged, StagedBackend) else None
 
     def staged_for_uniform(self, layout: UniformLayout) -> StagedBackend | None:
         """The staged backend if it is what choose() picks for every job of this uniform

@@ -17,7 +17,6 @@ import torch
 
 from kvshm.transfer.backends.base import CopyBackend, Stream
 from kvshm.transfer.backends.factory import build_backends
-from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.chooser import BackendChooser, BackendPolicy, override_from_env
 from kvshm.transfer.errors import (
     HandlerClosedError,
@@ -38,6 +37,7 @@ from kvshm.transfer.specs import (
 from kvshm.transfer.staging import layout_run_bytes
 from kvshm.transfer.tensors import check_group_refs, check_tensors
 from kvshm.transfer.timeline import CpuTimeline, Ticket, Timeline
+from kvshm.transfer.traffic import Traffic
 from kvshm.transfer.uniform import UniformLayout
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,8 @@ class SingleDirectionOffloadingHandler:
         backend: str | None = None,
         options: TransferOptions | None = None,
         policy: BackendPolicy | None = None,
+        backend_beside: str | None = None,
+        traffic: Traffic | None = None,
     ) -> None:
         if canonical_layout:
             raise InvalidTensorsError(
@@ -136,22 +138,38 @@ class SingleDirectionOffloadingHandler:
         options = options or TransferOptions()
         policy = policy or BackendPolicy()
         override = backend if backend is not None else override_from_env()
+        # a backend for jobs while the other direction is busy, another for the rest: both are
+        # built and picked by name per job (traffic says which case holds)
+        self._traffic = traffic if backend_beside not in (None, override) else None
+        self._named = (override, backend_beside) if self._traffic is not None else None
         why_not = _why_not_staged(pairs.cpu, self.kv_cache_groups_data_refs, policy)
-        staging = override == "staged" or (override is None and why_not is None)
+        wanted = {override} if self._named is None else set(self._named)
+        staging = "staged" in wanted or (None in wanted and why_not is None)
         backends, unavailable = build_backends(
             pairs, self.kv_cache_groups_data_refs, self.gpu_to_cpu, options, staging
         )
         if why_not is not None:
             unavailable.setdefault("staged", why_not)
-        self._chooser = BackendChooser(backends, unavailable, self.direction, policy, override)
-        # the common layout's jobs skip the general planning where staging takes them all
-        self._uniform: tuple[UniformLayout, StagedBackend] | None = None
-        layout = UniformLayout.of(
+        self._chooser = BackendChooser(
+            backends,
+            unavailable,
+            self.direction,
+            policy,
+            override if self._named is None else None,
+            required=[n for n in wanted if n is not None],
+        )
+        # the common layout's jobs skip the general planning where staging takes them anyway
+        self._uniform_layout = UniformLayout.of(
             pairs.gpu, pairs.cpu, block_size_factor, self.kv_cache_groups_data_refs
         )
-        if layout is not None:
-            staged = self._chooser.staged_for_uniform(layout)
-            self._uniform = None if staged is None else (layout, staged)
+        layout, staged = self._uniform_layout, self._chooser.staged()
+        self._uniform_by_policy = layout is not None and (
+            self._chooser.staged_for_uniform(layout) is not None
+        )
+        # where staging is named for a job: its cells must fit a buffer
+        self._uniform_fits = (
+            layout is not None and staged is not None and staged.buffer_bytes >= layout.block_bytes
+        )
         self._timeline = _timeline_for(pairs.device, options)
         self._metrics = TransferMetrics(self.direction)
         self._jobs: deque[_Job] = deque()
@@ -183,24 +201,48 @@ class SingleDirectionOffloadingHandler:
             # queued to its destination blocks (vLLM 0.33 zeroes freshly allocated blocks on the
             # compute stream, and with async scheduling nothing else orders that before the load)
             after = torch.cuda.current_stream(self.device)
-        uniform = None if self._uniform is None else self._uniform[0].job(spec, self.gpu_to_cpu)
+        named = self._backend_name()
+        staged = self._chooser.staged() if named in (None, "staged") else None
+        takes_uniform = self._uniform_by_policy if named is None else self._uniform_fits
+        uniform = None
+        if staged is not None and takes_uniform and self._uniform_layout is not None:
+            uniform = self._uniform_layout.job(spec, self.gpu_to_cpu)
         work: Callable[[Stream], object]
         backend: CopyBackend
-        if uniform is not None and self._uniform is not None:
-            layout, staged = self._uniform
+        if uniform is not None and staged is not None and self._uniform_layout is not None:
             backend = staged
-            work = partial(staged.copy_uniform, layout, uniform, after=after)
+            work = partial(staged.copy_uniform, self._uniform_layout, uniform, after=after)
             size = uniform.total_bytes
         else:
             batch = self._planner.plan(spec)
-            backend = self._chooser.choose(batch)
+            backend = self._chooser.choose(batch) if named is None else self._chooser.named(named)
             work = partial(backend.copy, batch, after=after)
             size = batch.total_bytes
         ticket = self._timeline.launch(work, after)
         job = _Job(job_id, ticket, size, backend.name)
         self._jobs.append(job)
         self._pending[job_id] = job
+        if self._traffic is not None:
+            self._traffic.started(self.direction)
         return True
+
+    def backend_for(self, src_spec: object, dst_spec: object) -> str:
+        """The backend this handler would give the job now (nothing is issued)."""
+        named = self._backend_name()
+        if named is not None:
+            return named
+        layout = self._uniform_layout if self._uniform_by_policy else None
+        if layout is not None and layout.job((src_spec, dst_spec), self.gpu_to_cpu) is not None:
+            return "staged"
+        return self._chooser.choose(self._planner.plan((src_spec, dst_spec))).name
+
+    def _backend_name(self) -> str | None:
+        """The backend named for this job, or None where the chooser picks by the job."""
+        if self._named is None:
+            return None  # an override, if any, is the chooser's
+        alone, beside = self._named
+        assert self._traffic is not None
+        return beside if self._traffic.other_busy(self.direction) else alone
 
     def get_finished(self) -> list[TransferResult]:
         """Results of the jobs finished since the last call, in submission order."""
@@ -214,6 +256,8 @@ class SingleDirectionOffloadingHandler:
         seconds = ticket.seconds()
         self._timeline.release(ticket)
         del self._pending[job.job_id]
+        if self._traffic is not None:
+            self._traffic.finished(self.direction)
         success = ticket.error is None
         if success:
             self._metrics.finished(job.size_bytes, seconds, job.backend)

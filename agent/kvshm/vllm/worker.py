@@ -12,7 +12,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from kvshm.region import SharedOffloadRegion
-from kvshm.transfer import SingleDirectionOffloadingHandler
+from kvshm.transfer import BackendUnavailableError, SingleDirectionOffloadingHandler
+from kvshm.transfer.traffic import Traffic
 from kvshm.vllm.calibration import ChoiceCache, choose
 from kvshm.vllm.events import Drain, DrainListener
 from kvshm.vllm.pinning import BackgroundPin
@@ -114,10 +115,21 @@ class KvshmOffloadingWorker(OffloadingWorker):
             if self._calibration is not None:
                 self.chosen_backends = self._calibrate(self._calibration)
 
+            traffic = Traffic()  # which backend a job gets may depend on the other direction
+
             def handler(gpu_to_cpu: bool) -> SingleDirectionOffloadingHandler:
                 name = "store" if gpu_to_cpu else "load"
                 backend = self.chosen_backends.get(name, self._backend)
-                return self._make_handler(gpu_to_cpu, backend, self.gpu_tensors)
+                beside = self.chosen_backends.get(f"{name}_beside")
+                try:
+                    return self._make_handler(
+                        gpu_to_cpu, backend, self.gpu_tensors, beside=beside, traffic=traffic
+                    )
+                except BackendUnavailableError:
+                    # a measured backend this handler cannot build (its staging buffers no
+                    # longer fit the GPU, say): the per-block-size choice instead
+                    log.warning("kvshm: the measured %s backends cannot be built", name)
+                    return self._make_handler(gpu_to_cpu, self._backend, self.gpu_tensors)
 
             # store, load, and expedited load on its own stream: it must not queue behind loads
             self._handlers = [handler(True), handler(False), handler(False)]
@@ -147,8 +159,16 @@ class KvshmOffloadingWorker(OffloadingWorker):
             self.calibration_seconds = time.perf_counter() - started
 
     def _make_handler(
-        self, gpu_to_cpu: bool, backend: str | None, gpu_tensors: Sequence[torch.Tensor]
+        self,
+        gpu_to_cpu: bool,
+        backend: str | None,
+        gpu_tensors: Sequence[torch.Tensor],
+        *,
+        beside: str | None = None,
+        traffic: Traffic | None = None,
     ) -> SingleDirectionOffloadingHandler:
+        """backend: every job's (None: by block size); with beside and traffic, backend for
+        jobs while the other direction is idle and beside while it is busy."""
         return SingleDirectionOffloadingHandler(
             gpu_tensors,
             self.cpu_tensors,
@@ -156,6 +176,8 @@ class KvshmOffloadingWorker(OffloadingWorker):
             self._refs,
             gpu_to_cpu,
             backend=backend,
+            backend_beside=beside,
+            traffic=traffic,
         )
 
     @property
