@@ -18,7 +18,7 @@ from kvshm.api import (
     parse_offload_node,
 )
 from kvshm.api.messages import MAX_STATUS_MESSAGE
-from kvshm.api.status import MAX_INVENTORY_FILES, parse_timestamp
+from kvshm.api.reading import MAX_INVENTORY_FILES, parse_timestamp
 
 MOMENT = datetime(2026, 11, 22, 12, 0, 0, 654321, tzinfo=UTC)
 

@@ -1,5 +1,6 @@
 """The kvshm.dev/v1alpha1 custom resources as typed values, shared by agent, operator and CLI:
-specs (resources), the status contract between agent and operator (status), and the names
+specs (resources), the status contract between agent and operator (status: OffloadRegion's
+reports; offload_node: OffloadNode's records; reading: how both are read back), and the names
 paths and keys derive from (address).
 
 The CRDs in charts/kvshm/crds/ are the API server's source of truth; parsing here applies the
@@ -8,6 +9,15 @@ cluster accepts, and the agent re-checks what it is given before it touches the 
 """
 
 from kvshm.api.address import InvalidAddressError, NodeName, RegionAddress, region_key
+from kvshm.api.offload_node import (
+    InventoryFile,
+    NodeInventory,
+    OffloadNode,
+    ReclaimRequest,
+    ReclaimResult,
+    RetainedFile,
+    parse_offload_node,
+)
 from kvshm.api.resources import (
     GROUP,
     NODE_KIND,
@@ -25,17 +35,7 @@ from kvshm.api.resources import (
     SpecError,
     parse_offload_region,
 )
-from kvshm.api.status import (
-    InventoryFile,
-    NodeInventory,
-    NodeReport,
-    OffloadNode,
-    ReclaimRequest,
-    ReclaimResult,
-    RetainedFile,
-    parse_node_reports,
-    parse_offload_node,
-)
+from kvshm.api.status import NodeReport, parse_node_reports
 
 __all__ = [
     "GROUP",

@@ -9,7 +9,7 @@ from enum import StrEnum
 from typing import Any
 
 from kvshm.api.messages import MAX_CONDITION_MESSAGE, bounded
-from kvshm.api.status import format_timestamp
+from kvshm.api.reading import format_timestamp
 
 
 class ConditionType(StrEnum):

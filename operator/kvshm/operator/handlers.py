@@ -28,7 +28,7 @@ from kvshm.api import (
     parse_offload_region,
     region_key,
 )
-from kvshm.api.status import format_timestamp
+from kvshm.api.reading import format_timestamp
 from kvshm.operator import metrics
 from kvshm.operator.cluster import ClusterSnapshot, first_values
 from kvshm.operator.config import OperatorConfig

@@ -8,7 +8,8 @@ from datetime import datetime
 from typing import Any
 
 from kvshm.api import OffloadNode, RetainedFile
-from kvshm.api.status import format_timestamp, parse_retained
+from kvshm.api.offload_node import parse_retained
+from kvshm.api.reading import format_timestamp
 from kvshm.operator.cluster import ClusterSnapshot
 from kvshm.operator.orphans import OrphanDecision
 

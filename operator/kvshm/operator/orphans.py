@@ -25,7 +25,7 @@ from datetime import datetime
 from enum import StrEnum
 
 from kvshm.api import InventoryFile, OffloadNode, ReclaimRequest, ReclaimResult
-from kvshm.api.status import format_timestamp
+from kvshm.api.reading import format_timestamp
 
 
 class Refusal(StrEnum):

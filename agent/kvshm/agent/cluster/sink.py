@@ -35,7 +35,7 @@ from kvshm.api import (
     NodeReport,
 )
 from kvshm.api.address import split_region_key
-from kvshm.api.status import format_timestamp
+from kvshm.api.reading import format_timestamp
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from kvshm.api import (
     SpecError,
     parse_offload_region,
 )
-from kvshm.api.status import parse_reclaim_requests
+from kvshm.api.offload_node import parse_reclaim_requests
 
 log = logging.getLogger(__name__)
 
