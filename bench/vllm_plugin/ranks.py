@@ -29,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO)]
 
-from bench.vllm_plugin import run as plugin_bench  # noqa: E402
+from bench.vllm_plugin import jobs as plugin_jobs  # noqa: E402
 from tests.vllm_plugin.layouts import KvLayout, canonical_kv_caches  # noqa: E402
 from tests.vllm_plugin.regions import agent_region, remove_region  # noqa: E402
 
@@ -56,9 +56,9 @@ def rank_main(args: argparse.Namespace) -> None:
     worker = KvshmOffloadingWorker(
         kv, region, 1, region_dir=SHM, instance_id=args.instance_id, listen_for_drain=False
     )
-    jobs = plugin_bench.plan(TP2, args.blocks, args.job_blocks, seed=args.rank)
+    jobs = plugin_jobs.plan(TP2, args.blocks, args.job_blocks, seed=args.rank)
     for direction in DIRECTIONS:  # the first transfer waits for registration and calibration
-        plugin_bench.issue_and_wait(worker, *jobs.jobs[direction])
+        plugin_jobs.issue_and_wait(worker, *jobs.jobs[direction])
     print(f"READY {json.dumps(worker.chosen_backends)}", flush=True)
     for line in sys.stdin:
         command = line.split()
@@ -70,7 +70,7 @@ def rank_main(args: argparse.Namespace) -> None:
         started = time.perf_counter()
         moved = 0
         while time.perf_counter() - started < seconds:
-            plugin_bench.issue_and_wait(worker, stores, loads)
+            plugin_jobs.issue_and_wait(worker, stores, loads)
             moved += jobs.nbytes[direction]
         rate = moved / (time.perf_counter() - started) / 1e9
         print(f"RESULT {direction} {rate:.3f}", flush=True)

@@ -33,8 +33,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +42,8 @@ sys.path[:0] = [str(REPO)]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench.common.gpu import GIB, MIB, Compute, beside_compute, gbps, link_peak, wall  # noqa: E402
+from bench.vllm_plugin.baseline import Built, build_vllm, vllm_dma_note, vllm_platform_note  # noqa: E402
+from bench.vllm_plugin.jobs import Plan, issue_and_wait, job_specs, plan  # noqa: E402
 from tests.vllm_plugin.layouts import REAL_LAYOUTS, KvLayout, canonical_kv_caches  # noqa: E402
 from tests.vllm_plugin.regions import agent_region  # noqa: E402
 
@@ -100,115 +100,6 @@ def link(reps: int) -> dict[str, Any]:
     }
 
 
-# -- vLLM's own worker -------------------------------------------------------------------------
-
-
-def vllm_platform_note() -> str:
-    """vLLM's worker code asks vllm.platforms.current_platform for streams and pinning. Its
-    CUDA platform module loads a compiled extension; where that cannot load here, give vLLM's
-    code the minimal CUDA platform it needs (streams from torch.cuda, pinned memory on)."""
-    import vllm.platforms as platforms
-
-    try:
-        platform = platforms.current_platform
-        if platform.is_cuda():
-            return "vLLM's own CUDA platform"
-        reason = f"vLLM resolved its platform to {type(platform).__name__}"
-    except Exception as exc:
-        reason = f"vllm.platforms.cuda did not load ({exc!r})"
-    from vllm.platforms.interface import Platform, PlatformEnum
-
-    class MinimalCuda(Platform):
-        _enum = PlatformEnum.CUDA
-        device_name = "cuda"
-        device_type = "cuda"  # Stream, stream, current_stream: torch.cuda's
-        dist_backend = "nccl"
-
-        @classmethod
-        def is_pin_memory_available(cls) -> bool:
-            return True
-
-    platforms._current_platform = MinimalCuda()
-    return f"{reason}: vLLM's worker code runs on a minimal CUDA platform object"
-
-
-def vllm_dma_note() -> str:
-    """Use vLLM's compiled DMA op if it loads, else re-state it: one cuMemcpyBatchAsync per
-    job over all its copies, source order STREAM (ANY for loads), no hints, no flags."""
-    from vllm import _custom_ops as ops
-
-    try:
-        torch.ops._C_cache_ops.swap_blocks_batch  # noqa: B018
-        return "vLLM's compiled swap_blocks_batch (vllm._C)"
-    except (AttributeError, RuntimeError):
-        pass
-    from kvshm.transfer.backends.cuda_driver import (
-        CU_MEMCPY_SRC_ACCESS_ORDER_ANY,
-        CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-        CUmemcpyAttributes,
-        CUmemLocation,
-        cuda_driver,
-    )
-
-    driver = cuda_driver()
-
-    def swap_blocks_batch(
-        src_ptrs: torch.Tensor,
-        dst_ptrs: torch.Tensor,
-        sizes: torch.Tensor,
-        is_src_access_order_any: bool = False,
-    ) -> None:
-        n = sizes.numel()
-        if n == 0:
-            return
-        stream = torch.cuda.current_stream().cuda_stream
-        if not driver.has_batch:  # vLLM's fallback below CUDA 12.8: one copy per call
-            for s, d, z in zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist(), strict=True):
-                driver.check("cuMemcpyAsync", driver.memcpy(d, s, z, stream))
-            return
-        order = (
-            CU_MEMCPY_SRC_ACCESS_ORDER_ANY
-            if is_src_access_order_any
-            else (CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
-        )
-        attributes = CUmemcpyAttributes(order, CUmemLocation(0, 0), CUmemLocation(0, 0), 0)
-        code = driver.memcpy_batch(
-            dst_ptrs.data_ptr(), src_ptrs.data_ptr(), sizes.data_ptr(), n, attributes, stream
-        )
-        driver.check("cuMemcpyBatchAsync", code)
-
-    ops.swap_blocks_batch = swap_blocks_batch
-    return "vllm._C not loadable: its swap_blocks_batch re-stated (one cuMemcpyBatchAsync/job)"
-
-
-@dataclass
-class Built:
-    worker: Any
-    blocking_seconds: float
-    close: Callable[[], None]
-    notes: dict[str, Any]
-
-
-def build_vllm(kv: Any, chunks: int, cell: int, workers: int) -> Built:
-    from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-
-    started = time.perf_counter()
-    region = SharedOffloadRegion(
-        engine_id=f"kvshm-bench-vllm-{uuid.uuid4().hex[:8]}",
-        num_chunks=chunks,
-        rank=0,
-        kv_bytes_per_chunk=cell * workers,
-        cpu_page_size=cell,
-        num_segments=32,
-    )
-    worker = CPUOffloadingWorker(
-        kv_caches=kv, blocks_per_chunk=1, num_cpu_chunks=chunks, mmap_region=region
-    )
-    seconds = time.perf_counter() - started
-    return Built(worker, seconds, worker.shutdown, {"pinned": region.is_pinned})
-
-
 CALIBRATE: list[Any] = []  # (c)'s ChoiceCache (fresh per run): the plugin measures by default
 
 
@@ -234,65 +125,6 @@ def build_plugin(kv: Any, chunks: int, cell: int, workers: int) -> Built:
         Path(path).unlink(missing_ok=True)
 
     return Built(worker, seconds, close, {})
-
-
-# -- jobs --------------------------------------------------------------------------------------
-
-
-def job_specs(gpu_ids: np.ndarray, cpu_ids: np.ndarray, per_job: int) -> list[tuple[Any, Any]]:
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-
-    return [
-        (
-            GPULoadStoreSpec(
-                gpu_ids[i : i + per_job].tolist(), [len(gpu_ids[i : i + per_job])], [0]
-            ),
-            CPULoadStoreSpec(cpu_ids[i : i + per_job].tolist()),
-        )
-        for i in range(0, len(gpu_ids), per_job)
-    ]
-
-
-_job_ids: Iterator[int] = iter(range(1, 1 << 62))
-
-
-def issue_and_wait(worker: Any, stores: list[Any], loads: list[Any]) -> None:
-    """Submit the stores and loads (interleaved) and wait until get_finished reported all."""
-    ids: set[int] = set()
-    for i in range(max(len(stores), len(loads))):
-        if i < len(stores):
-            ids.add(job_id := next(_job_ids))
-            assert worker.submit_store(job_id, *stores[i])
-        if i < len(loads):
-            ids.add(job_id := next(_job_ids))
-            gpu, cpu = loads[i]
-            assert worker.submit_load(job_id, cpu, gpu)
-    worker.wait(ids)
-    while ids:
-        for result in worker.get_finished():
-            assert result.success, f"job {result.job_id} failed"
-            ids.discard(result.job_id)
-
-
-@dataclass
-class Plan:
-    nbytes: dict[str, int]
-    jobs: dict[str, tuple[list[Any], list[Any]]]
-
-
-def plan(layout: KvLayout, blocks: int, per_job: int, seed: int) -> Plan:
-    rng = np.random.default_rng(seed)
-    gpu, cpu = rng.permutation(blocks), rng.permutation(blocks)
-    half = blocks // 2
-    every = job_specs(gpu, cpu, per_job)
-    stores = job_specs(gpu[:half], cpu[:half], per_job)
-    loads = job_specs(gpu[half:], cpu[half:], per_job)
-    per_block = layout.worker_bytes_per_block
-    return Plan(
-        {"H2D": blocks * per_block, "D2H": blocks * per_block, "both": blocks * per_block},
-        {"H2D": ([], every), "D2H": (every, []), "both": (stores, loads)},
-    )
 
 
 def measure(built: Built, jobs: Plan, compute: Compute, reps: int) -> dict[str, Any]:
