@@ -1,5 +1,5 @@
-"""The package layout DESIGN.md asks for: source roots, no shadowed stdlib, no torch in the
-agent or operator."""
+"""The package layout (docs/ARCHITECTURE.md, Components): source roots, no shadowed stdlib, no
+torch in the agent or operator."""
 
 from __future__ import annotations
 

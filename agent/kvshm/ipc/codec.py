@@ -1,4 +1,4 @@
-"""Messages in chunks: SEMANTICS §7's in-chunk format, and kvshm's overflow fragments.
+"""Messages in chunks: vLLM's MessageQueue in-chunk format, and kvshm's overflow fragments.
 
 A message that fits one chunk:
     byte 0 = 0 (no overflow), bytes 1-2 = number of buffers (big-endian), then each buffer as a

@@ -1,6 +1,6 @@
 """Where everything lies in a ring file.
 
-    [ data: max_chunks x max_chunk_bytes ][ metadata: max_chunks x (1 + n_reader) ]  (SEMANTICS §6)
+    [ data: max_chunks x max_chunk_bytes ][ metadata: max_chunks x (1 + n_reader) ]  (vLLM's)
     [ registry: requests | kinds | acks | active | wake word | sleepers | reader slots |
       writer slot ][ trailer ]
 
@@ -60,7 +60,7 @@ class RingLayout:
                 f"(a chunk holds a message header of up to 10 bytes besides the message)"
             )
 
-    # -- the SEMANTICS §6 area ---------------------------------------------------------------
+    # -- vLLM's ShmRingBuffer area ---------------------------------------------------------------
 
     @property
     def data_offset(self) -> int:

@@ -1,4 +1,5 @@
-"""MessageQueue: pickled Python objects from one writer to every reader (SEMANTICS §7)."""
+"""MessageQueue: pickled Python objects from one writer to every reader (vLLM's MessageQueue
+semantics)."""
 
 from __future__ import annotations
 

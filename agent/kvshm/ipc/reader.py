@@ -1,4 +1,4 @@
-"""The reader side of the ring's flag protocol (SEMANTICS §6), with joining and writer-death
+"""The reader side of the ring's flag protocol (vLLM's ShmRingBuffer), with joining and writer-death
 detection."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ShmRingBuffer: SEMANTICS §6's ring of chunks and flags in one shared file.
+"""ShmRingBuffer: vLLM's ShmRingBuffer: a ring of chunks and flags in one shared file.
 
 This class is the memory: it creates or attaches the file and hands out views of chunks,
 flags and registry. The flag protocol lives in RingWriter (one per ring) and RingReader (one

@@ -1,4 +1,4 @@
-"""The writer side of the ring's flag protocol (SEMANTICS §6), with joins, leaves and
+"""The writer side of the ring's flag protocol (vLLM's ShmRingBuffer), with joins, leaves and
 dead-reader detection."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Turning a job's (source, destination) specs into its copies, validating everything first.
 
-Per KV-cache group g (SEMANTICS §4): the GPU side uses group_sizes[g] ids; the CPU side may
-start mid-block, skip = block_indices[g] mod factor, and uses ceil((size + skip) / factor)
+Per KV-cache group g (vLLM 0.33's transfer_async): the GPU side uses group_sizes[g] ids; the CPU
+side may start mid-block, skip = block_indices[g] mod factor, and uses ceil((size + skip) / factor)
 ids. Every (group, tensor ref) adds group_sizes[g] copies of the ref's page size. All ids of
 both sides must be used exactly.
 """
