@@ -292,7 +292,7 @@ def test_many_layers_of_small_pages_are_staged_and_byte_exact(
     assert store._chooser.choose(store._planner.plan(specs[0])).name == "staged"
     # one group, one block per chunk, pages back to back in the cell: the jobs are planned
     # from their ids alone (kvshm.transfer.uniform), in pieces of 4 cells per buffer
-    assert store._uniform_by_policy and pair.cpu_to_gpu_handler._uniform_by_policy
+    assert None in store._uniform_picks and None in pair.cpu_to_gpu_handler._uniform_picks
     for job, spec in enumerate(specs):
         assert store.transfer_async(job, spec)
     store.wait([0, 1])

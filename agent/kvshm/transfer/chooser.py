@@ -94,8 +94,8 @@ class BackendChooser:
             return self._backends[self._override]
         if "cpu" in self._backends:
             return self._backends["cpu"]
-        staged = self._backends.get("staged")
-        if isinstance(staged, StagedBackend) and self._worth_staging(staged, batch):
+        staged = self.staged()
+        if staged is not None and self._worth_staging(staged, batch):
             return staged
         kernel = self._backends.get("kernel")
         if kernel is not None and batch.mean_copy_bytes < self._kernel_below:
@@ -112,26 +112,27 @@ class BackendChooser:
 
     def staged_for_uniform(self, layout: UniformLayout) -> StagedBackend | None:
         """The staged backend if it is what choose() picks for every job of this uniform
-        layout (kvshm.transfer.uniform), so that such jobs may skip the general planning; a
-        job of it is one run per block, of layout.block_bytes."""
-        staged = self._backends.get("staged")
-        if not isinstance(staged, StagedBackend) or staged.buffer_bytes < layout.block_bytes:
+        layout (kvshm.transfer.uniform), so that such jobs may skip the general planning. The
+        smallest job, one block, is refs copies in one run of block_bytes; a larger job has
+        the same copy sizes and no more runs than blocks, so the policy stages it too."""
+        staged = self.staged()
+        if staged is None or staged.buffer_bytes < layout.block_bytes:
             return None
         if self._override is not None:
             return staged if self._override == "staged" else None
         if "cpu" in self._backends:
             return None
-        worth = (
-            layout.refs >= 2  # at most half as many runs as copies
-            and layout.mean_page_bytes < self._staged_below
-            and layout.block_bytes >= self._staged_from
-        )
-        return staged if worth else None
+        small = self._small_copies(layout.refs, layout.mean_page_bytes)
+        return staged if small and self._long_runs(layout.refs, 1, layout.block_bytes) else None
 
     def _worth_staging(self, staged: StagedBackend, batch: CopyBatch) -> bool:
-        if batch.count < 2 or batch.mean_copy_bytes >= self._staged_below:
-            return False
+        if not self._small_copies(batch.count, batch.mean_copy_bytes):
+            return False  # (before planning the runs, which costs CPU time)
         plan = staged.plan(batch)
-        if plan is None:
-            return False
-        return plan.runs * 2 <= plan.copies and plan.mean_run_bytes >= self._staged_from
+        return plan is not None and self._long_runs(plan.copies, plan.runs, plan.mean_run_bytes)
+
+    def _small_copies(self, copies: int, mean_copy_bytes: int) -> bool:
+        return copies >= 2 and mean_copy_bytes < self._staged_below
+
+    def _long_runs(self, copies: int, runs: int, mean_run_bytes: int) -> bool:
+        return runs * 2 <= copies and mean_run_bytes >= self._staged_from

@@ -17,6 +17,7 @@ import torch
 
 from kvshm.transfer.backends.base import CopyBackend, Stream
 from kvshm.transfer.backends.factory import build_backends
+from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.chooser import BackendChooser, BackendPolicy, override_from_env
 from kvshm.transfer.errors import (
     HandlerClosedError,
@@ -38,7 +39,7 @@ from kvshm.transfer.staging import layout_run_bytes
 from kvshm.transfer.tensors import check_group_refs, check_tensors
 from kvshm.transfer.timeline import CpuTimeline, Ticket, Timeline
 from kvshm.transfer.traffic import Traffic
-from kvshm.transfer.uniform import UniformLayout
+from kvshm.transfer.uniform import UniformJob, UniformLayout
 
 log = logging.getLogger(__name__)
 
@@ -158,18 +159,20 @@ class SingleDirectionOffloadingHandler:
             override if self._named is None else None,
             required=[n for n in wanted if n is not None],
         )
-        # the common layout's jobs skip the general planning where staging takes them anyway
-        self._uniform_layout = UniformLayout.of(
+        # the common layout's jobs skip the general planning where staging takes them anyway:
+        # the chooser's own pick (None) where it stages every job of the layout, and "staged"
+        # where it is named for the job, its cells fitting a buffer
+        layout = UniformLayout.of(
             pairs.gpu, pairs.cpu, block_size_factor, self.kv_cache_groups_data_refs
         )
-        layout, staged = self._uniform_layout, self._chooser.staged()
-        self._uniform_by_policy = layout is not None and (
-            self._chooser.staged_for_uniform(layout) is not None
-        )
-        # where staging is named for a job: its cells must fit a buffer
-        self._uniform_fits = (
-            layout is not None and staged is not None and staged.buffer_bytes >= layout.block_bytes
-        )
+        staged = self._chooser.staged()
+        self._uniform: tuple[UniformLayout, StagedBackend] | None = None
+        self._uniform_picks: set[str | None] = set()
+        if layout is not None and staged is not None and staged.buffer_bytes >= layout.block_bytes:
+            self._uniform = (layout, staged)
+            self._uniform_picks = {"staged"}
+            if self._chooser.staged_for_uniform(layout) is not None:
+                self._uniform_picks.add(None)
         self._timeline = _timeline_for(pairs.device, options)
         self._metrics = TransferMetrics(self.direction)
         self._jobs: deque[_Job] = deque()
@@ -202,16 +205,13 @@ class SingleDirectionOffloadingHandler:
             # compute stream, and with async scheduling nothing else orders that before the load)
             after = torch.cuda.current_stream(self.device)
         named = self._backend_name()
-        staged = self._chooser.staged() if named in (None, "staged") else None
-        takes_uniform = self._uniform_by_policy if named is None else self._uniform_fits
-        uniform = None
-        if staged is not None and takes_uniform and self._uniform_layout is not None:
-            uniform = self._uniform_layout.job(spec, self.gpu_to_cpu)
+        uniform = self._uniform_job(named, spec)
         work: Callable[[Stream], object]
         backend: CopyBackend
-        if uniform is not None and staged is not None and self._uniform_layout is not None:
+        if uniform is not None and self._uniform is not None:
+            layout, staged = self._uniform
             backend = staged
-            work = partial(staged.copy_uniform, self._uniform_layout, uniform, after=after)
+            work = partial(staged.copy_uniform, layout, uniform, after=after)
             size = uniform.total_bytes
         else:
             batch = self._planner.plan(spec)
@@ -231,10 +231,15 @@ class SingleDirectionOffloadingHandler:
         named = self._backend_name()
         if named is not None:
             return named
-        layout = self._uniform_layout if self._uniform_by_policy else None
-        if layout is not None and layout.job((src_spec, dst_spec), self.gpu_to_cpu) is not None:
+        if self._uniform_job(None, (src_spec, dst_spec)) is not None:
             return "staged"
         return self._chooser.choose(self._planner.plan((src_spec, dst_spec))).name
+
+    def _uniform_job(self, named: str | None, spec: object) -> UniformJob | None:
+        """The job on the uniform staged path, or None where it takes the general one."""
+        if self._uniform is None or named not in self._uniform_picks:
+            return None
+        return self._uniform[0].job(spec, self.gpu_to_cpu)
 
     def _backend_name(self) -> str | None:
         """The backend named for this job, or None where the chooser picks by the job."""
