@@ -231,7 +231,7 @@ def test_reclaims_from_the_offload_node_spec_are_rechecked_and_reported(
             "the orphan in the inventory",
         )
         orphan = files[orphan_path]
-        assert orphan["claimedBy"] == "" and orphan["firstSeenUnclaimed"]
+        assert orphan["claimedBy"] == "" and orphan["orphanedSince"]
         requests = [
             {
                 "path": path,

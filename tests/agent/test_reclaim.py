@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
+from kvshm.agent.reconciler import NodeReconciler
 from kvshm.agent.reports import EventReason
 from kvshm.api import ReclaimOutcome
 from tests.agent.builders import holding, make_reconciler, reclaim, region, settle, view
@@ -37,6 +40,30 @@ def test_an_unclaimed_unheld_file_is_removed_with_its_directories(shm_dir: Path)
     assert again.events == [] and again.reclaims[PATH].outcome is ReclaimOutcome.DONE
     # a request that leaves the spec leaves the status
     assert reconciler.reconcile(view()).reclaims == {}
+
+
+def orphaned_since(reconciler: NodeReconciler) -> datetime | None:
+    scan = reconciler.reconcile(view()).root_scan
+    assert scan is not None
+    (item,) = [f for f in scan.inventory.files if f.path == PATH]
+    return item.orphaned_since
+
+
+def test_an_orphans_time_starts_when_its_last_holder_leaves_never_earlier(shm_dir: Path) -> None:
+    root = shm_dir / "root"
+    path = orphan(root)
+    reconciler = make_reconciler(root)
+    with holding(path):
+        assert orphaned_since(reconciler) is None  # unclaimed, but held: not an orphan
+        time.sleep(1.1)
+        left = datetime.now(UTC)
+    since = orphaned_since(reconciler)
+    assert since is not None and since >= left and since.microsecond == 0  # rounded up
+    time.sleep(1.1)
+    assert orphaned_since(reconciler) == since  # kept while it stays an orphan
+    with holding(path):
+        assert orphaned_since(reconciler) is None
+    assert (orphaned_since(reconciler) or since) > since  # a holder started it over
 
 
 def test_a_held_file_is_kept(shm_dir: Path) -> None:

@@ -173,5 +173,5 @@ def test_every_field_of_the_inventory_survives_the_crd_and_reads_back(
     assert read.heartbeat is not None and read.agent_version == "test"
     written = replace(inventory, reclaims=(result,), heartbeat=read.heartbeat, agent_version="test")
     assert read == written
-    assert read.files[0].first_seen_unclaimed == first_seen.replace(microsecond=0)
+    assert read.files[0].orphaned_since == first_seen.replace(microsecond=0)
     assert stored["status"]["conditions"][0]["type"] == "RootSafe"

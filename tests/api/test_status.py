@@ -81,9 +81,9 @@ def test_every_record_reads_back_equal_from_its_own_json() -> None:
 
 
 def test_records_keep_times_to_the_second_as_status_does() -> None:
-    file = InventoryFile("t/r/f", 1, "", False, first_seen_unclaimed=MOMENT)
-    assert file.first_seen_unclaimed == MOMENT.replace(microsecond=0)
-    assert file.to_status()["firstSeenUnclaimed"] == "2026-11-22T12:00:00Z"
+    file = InventoryFile("t/r/f", 1, "", False, orphaned_since=MOMENT)
+    assert file.orphaned_since == MOMENT.replace(microsecond=0)
+    assert file.to_status()["orphanedSince"] == "2026-11-22T12:00:00Z"
 
 
 def test_a_reclaim_request_written_again_has_a_new_token() -> None:

@@ -116,12 +116,12 @@ def file(
     size: int = 4096,
     claimed_by: str = "",
     held: bool = False,
-    first_seen_unclaimed: datetime | None = None,
+    orphaned_since: datetime | None = None,
 ) -> InventoryFile:
     return InventoryFile(
         path=path,
         size_bytes=size,
         claimed_by=claimed_by,
         held=held,
-        first_seen_unclaimed=first_seen_unclaimed,
+        orphaned_since=orphaned_since,
     )

@@ -139,7 +139,7 @@ def test_the_deleted_regions_own_claim_does_not_undo_its_retention() -> None:
 def test_the_grace_period_survives_an_operator_restart() -> None:
     """The agent publishes when it first saw the file unclaimed: an operator that restarts
     (and so forgets its clock) resumes the grace period instead of starting it again."""
-    orphan = file(ORPHAN.path, first_seen_unclaimed=NOW)
+    orphan = file(ORPHAN.path, orphaned_since=NOW)
     before = sweep(agent("a", files=(orphan,)), at=GRACE / 2)
     assert before.requests == ()
     restarted = sweep(agent("a", files=(orphan,)), OrphanClock(), at=GRACE)
@@ -147,7 +147,7 @@ def test_the_grace_period_survives_an_operator_restart() -> None:
 
 
 def test_an_orphan_older_than_the_operator_is_due_at_once() -> None:
-    orphan = file(ORPHAN.path, first_seen_unclaimed=NOW - timedelta(seconds=2 * GRACE))
+    orphan = file(ORPHAN.path, orphaned_since=NOW - timedelta(seconds=2 * GRACE))
     decision = sweep(agent("a", files=(orphan,)))
     assert [r.path for r in decision.requests] == [ORPHAN.path]
 
@@ -155,8 +155,8 @@ def test_an_orphan_older_than_the_operator_is_due_at_once() -> None:
 def test_a_file_seen_held_starts_again_whatever_the_agents_time() -> None:
     """The agent's time counts unclaimed time only; a holder this operator saw restarts it."""
     long_ago = NOW - timedelta(seconds=10 * GRACE)
-    held = file(ORPHAN.path, held=True, first_seen_unclaimed=long_ago)
-    orphan = file(ORPHAN.path, first_seen_unclaimed=long_ago)
+    held = file(ORPHAN.path, held=True, orphaned_since=long_ago)
+    orphan = file(ORPHAN.path, orphaned_since=long_ago)
     middle = sweep(agent("a", files=(held,)))
     again = sweep(agent("a", files=(orphan,)), middle.clock, at=1)
     assert again.requests == ()
@@ -165,9 +165,9 @@ def test_a_file_seen_held_starts_again_whatever_the_agents_time() -> None:
 
 
 def test_a_claim_only_the_agent_saw_between_sweeps_restarts_the_time() -> None:
-    first = sweep(agent("a", files=(file(ORPHAN.path, first_seen_unclaimed=NOW),)))
+    first = sweep(agent("a", files=(file(ORPHAN.path, orphaned_since=NOW),)))
     reclaimed_later = NOW + timedelta(seconds=30)
-    later = file(ORPHAN.path, first_seen_unclaimed=reclaimed_later)
+    later = file(ORPHAN.path, orphaned_since=reclaimed_later)
     decision = sweep(agent("a", files=(later,)), first.clock, at=GRACE + 1)
     assert decision.requests == ()
     assert decision.clock.since[ORPHAN.path] == reclaimed_later

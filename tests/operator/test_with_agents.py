@@ -170,19 +170,18 @@ def test_an_orphan_of_a_killed_process_is_reclaimed_after_the_grace_period_not_b
     completed_before = sample("kvshm_operator_reclaims_completed_total")
     with operator_in_thread():
         Holder(agent.root / cluster.namespace / "ghost", "ghost").kill()  # created, then killed
+        killed = time.monotonic()  # its time as an orphan cannot start before this
         wait_for(
             lambda: inventory(cluster, node).get(path, {}).get("held") is False,
             10,
             "the agent to list the file as not held",
         )
-        seen = time.monotonic()
-        while time.monotonic() < seen + GRACE - 0.5:  # not before the grace period
+        while time.monotonic() < killed + GRACE - 0.1:  # not before the grace period
             assert agent.files() == [path]
             assert path not in requested(cluster, node)
             time.sleep(0.1)
         wait_for(lambda: agent.files() == [], GRACE + 10, "the orphan to be reclaimed")
-        reclaimed = time.monotonic() - seen
-        assert GRACE - 0.5 <= reclaimed <= GRACE + 10
+        assert time.monotonic() - killed <= GRACE + 12
         wait_for(lambda: not requested(cluster, node), 10, "the answered request to be closed")
         reasons = {event["reason"] for event in cluster.events(node)}
         assert {"ReclaimRequested", "Reclaimed"} <= reasons

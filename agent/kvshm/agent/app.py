@@ -81,7 +81,7 @@ def _settings(config: AgentConfig) -> ReconcilerSettings:
 def _connect(
     config: AgentConfig, metrics: AgentMetrics
 ) -> tuple[RegionSource, StatusSink, dict[str, datetime]]:
-    """The chosen mode's source and sink, and first-seen-unclaimed times to carry over."""
+    """The chosen mode's source and sink, and orphaned-since times to carry over."""
     if config.local is not None:
         source = LocalDirectorySource(
             config.local, config.node_name, config.node_labels, poll_seconds=config.poll_seconds
@@ -106,7 +106,7 @@ def build_app(config: AgentConfig) -> AgentApp:
         raise AgentStartError(f"cannot use the region root: {describe(exc)}") from exc
     metrics = AgentMetrics(agent_version())
     try:
-        source, sink, unclaimed_since = _connect(config, metrics)
+        source, sink, orphaned_since = _connect(config, metrics)
     except Exception as exc:  # a bad kubeconfig, an unreachable API, RBAC: say so and stop
         root.close()
         raise AgentStartError(f"cannot start: {exc}") from exc
@@ -119,7 +119,7 @@ def build_app(config: AgentConfig) -> AgentApp:
         counters=metrics,
         wake=wakeup,
     )
-    reconciler.seed_unclaimed_since(unclaimed_since)
+    reconciler.seed_orphaned_since(orphaned_since)
     health = Health(stale_after_seconds=max(60.0, 3 * config.resync_seconds))
     server = None
     if config.serve_http:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from kvshm.agent.errors import describe
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.regionfiles import describe_unsafe, find_region_files, is_held
 from kvshm.agent.saferoot import RegionDir, RegionRoot
 from kvshm.api import InvalidAddressError, InventoryFile, NodeInventory, RegionAddress
+from kvshm.api.reading import whole_seconds
 from kvshm.region import UnsafePathError
 
 ClaimLookup = Callable[[RegionAddress], str]
@@ -39,13 +40,14 @@ class InventoryScanner:
         self._root = root
         self._holds = holds
         self._reserve = reserve_bytes
-        # path -> when it was first seen unclaimed (the operator's grace period counts from it)
-        self._unclaimed_since: dict[str, datetime] = {}
+        # path -> when it was first seen an orphan: unclaimed and unheld (the operator's grace
+        # period counts from it)
+        self._orphaned_since: dict[str, datetime] = {}
 
-    def seed_unclaimed_since(self, since: dict[str, datetime]) -> None:
+    def seed_orphaned_since(self, since: dict[str, datetime]) -> None:
         """Carry first-seen times over a restart (from the last published inventory)."""
         for path, moment in since.items():
-            self._unclaimed_since.setdefault(path, moment)
+            self._orphaned_since.setdefault(path, moment)
 
     def scan(self, claimed_by: ClaimLookup) -> RootScan:
         capacity, free = self._root.filesystem_bytes()
@@ -53,21 +55,22 @@ class InventoryScanner:
         problems: list[str] = []
         for region_dir in self._root.walk(problems.append):
             files.extend(self._scan_dir(region_dir, claimed_by, problems))
-        files = self._track_unclaimed(files)
+        files = self._track_orphans(files)
         inventory = NodeInventory(capacity, free, self._reserve, tuple(files))
         return RootScan(self._root.path, inventory, tuple(problems))
 
-    def _track_unclaimed(self, files: list[InventoryFile]) -> list[InventoryFile]:
-        now = datetime.now(UTC)
-        unclaimed = {f.path for f in files if not f.claimed_by}
-        for path in list(self._unclaimed_since):
-            if path not in unclaimed:
-                del self._unclaimed_since[path]
+    def _track_orphans(self, files: list[InventoryFile]) -> list[InventoryFile]:
+        # Rounded up to a whole second, as published: the grace period never starts early.
+        now = whole_seconds(datetime.now(UTC) + timedelta(microseconds=999_999))
+        orphans = {f.path for f in files if not f.claimed_by and not f.held}
+        for path in list(self._orphaned_since):
+            if path not in orphans:  # claimed or held again: its time starts over
+                del self._orphaned_since[path]
         tracked = []
         for file in files:
-            if file.path in unclaimed:
-                since = self._unclaimed_since.setdefault(file.path, now)
-                file = replace(file, first_seen_unclaimed=since)
+            if file.path in orphans:
+                since = self._orphaned_since.setdefault(file.path, now)
+                file = replace(file, orphaned_since=since)
             tracked.append(file)
         return tracked
 

@@ -116,8 +116,8 @@ class NodeReconciler:
             else:
                 self._note_ready(record)
 
-    def seed_unclaimed_since(self, since: dict[str, datetime]) -> None:
-        self._inventory.seed_unclaimed_since(since)
+    def seed_orphaned_since(self, since: dict[str, datetime]) -> None:
+        self._inventory.seed_orphaned_since(since)
 
     def hosted_regions(self) -> dict[str, HostedRegion]:
         return {key: r.hosted for key, r in self._records.items() if r.hosted is not None}

@@ -44,12 +44,12 @@ class InventoryFile:
     age_seconds: int = 0  # since its newest file was last written
     # when the agent first saw it unclaimed (kept over agent restarts); the operator's orphan
     # grace period counts from it, so it survives operator restarts too. None while claimed.
-    first_seen_unclaimed: datetime | None = None
+    orphaned_since: datetime | None = None
     files: int = 1  # vllm_offload_<id>.mmap and its .mmap.<i> files
 
     def __post_init__(self) -> None:
         keep_field(self, "age_seconds", int(self.age_seconds))
-        keep_field(self, "first_seen_unclaimed", maybe_whole_seconds(self.first_seen_unclaimed))
+        keep_field(self, "orphaned_since", maybe_whole_seconds(self.orphaned_since))
 
     def to_status(self) -> dict[str, Any]:
         status: dict[str, Any] = {
@@ -60,8 +60,8 @@ class InventoryFile:
             "held": self.held,
             "ageSeconds": self.age_seconds,
         }
-        if self.first_seen_unclaimed is not None:
-            status["firstSeenUnclaimed"] = format_timestamp(self.first_seen_unclaimed)
+        if self.orphaned_since is not None:
+            status["orphanedSince"] = format_timestamp(self.orphaned_since)
         return status
 
     @classmethod
@@ -73,7 +73,7 @@ class InventoryFile:
             claimed_by=read_str(entry.get("claimedBy"), MAX_REGION_KEY),
             held=entry.get("held") is not False,
             age_seconds=read_count(entry.get("ageSeconds")),
-            first_seen_unclaimed=parse_timestamp(entry.get("firstSeenUnclaimed")),
+            orphaned_since=parse_timestamp(entry.get("orphanedSince")),
             files=files if files is not None and files >= 0 else 1,
         )
 

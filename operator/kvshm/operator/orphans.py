@@ -6,13 +6,14 @@ period. Two views of "claimed" are both honoured — the agent's (claimedBy) and
 own (the paths of every region it knows) — so a disagreement refuses rather than deletes.
 
 Where the orphan's time starts:
-- the agent's `firstSeenUnclaimed` (kept by the agent over its restarts, reset by it whenever a
-  region claims the file): the grace period survives operator restarts;
-- unless this operator saw the file held or claimed since then: its time starts again when the
-  operator next sees it an orphan (the agent's time says nothing about holders). That memory
-  is the operator's; after a restart only the agent's time is left, and the agent checks
-  holders again before it removes anything;
-- without `firstSeenUnclaimed` (an agent that does not publish it), when this operator first
+- the agent's `orphanedSince` (kept by the agent over its restarts, reset by it whenever a
+  region claims the file or a process holds it, rounded up to a whole second): the grace
+  period survives operator restarts;
+- unless this operator saw the file held or claimed since then, between two of the agent's
+  scans: its time starts again when the operator next sees it an orphan. That memory is the
+  operator's; after a restart only the agent's time is left, and the agent checks holders
+  again before it removes anything;
+- without `orphanedSince` (an agent that does not publish it), when this operator first
   saw it an orphan.
 Times are compared across machines, as heartbeats are: the clocks must be synchronised.
 """
@@ -110,12 +111,12 @@ def _orphaned_since(item: InventoryFile, clock: OrphanClock, now: datetime) -> d
     """When the file's time as an orphan started (the module's docstring says why)."""
     if item.path in clock.since:  # an orphan at the last sweep too
         known = clock.since[item.path]
-        agent = item.first_seen_unclaimed
-        # a claim the agent saw between two sweeps restarted its time: take the later
+        agent = item.orphaned_since
+        # a claim or holder the agent saw between two sweeps restarted its time: the later
         return max(known, agent) if agent is not None else known
     if clock.refused.get(item.path) in (Refusal.HELD, Refusal.CLAIMED):
         return now  # held or claimed at the last sweep: an orphan from now on
-    return item.first_seen_unclaimed or now
+    return item.orphaned_since or now
 
 
 def decide_reclaims(

@@ -27,10 +27,10 @@ def load_configuration(kubeconfig: str | None) -> client.Configuration:
     return configuration
 
 
-def unclaimed_since(status: Mapping[str, Any]) -> dict[str, datetime]:
-    """firstSeenUnclaimed of the last published inventory, to carry over a restart."""
+def orphaned_since(status: Mapping[str, Any]) -> dict[str, datetime]:
+    """orphanedSince of the last published inventory, to carry over a restart."""
     files = NodeInventory.from_status(status).files
-    return {f.path: f.first_seen_unclaimed for f in files if f.first_seen_unclaimed is not None}
+    return {f.path: f.orphaned_since for f in files if f.orphaned_since is not None}
 
 
 def connect_cluster(
@@ -58,4 +58,4 @@ def connect_cluster(
         on_watch_restart=metrics.watch_restarted,
         labels_refresh_seconds=resync_seconds,
     )
-    return source, sink, unclaimed_since(previous)
+    return source, sink, orphaned_since(previous)
