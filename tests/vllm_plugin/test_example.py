@@ -63,6 +63,7 @@ def test_the_example_attaches_its_region_with_vllms_geometry(tmp_path: Path) -> 
     region_dir = volumes["kv-region"]["hostPath"]["path"]
     assert region_dir.endswith(f"/{deployment['metadata']['namespace']}/{flags['engine_id']}")
     assert env["PROMETHEUS_MULTIPROC_DIR"] == mounts["metrics"]
+    assert spec.settings.cache_dir == mounts["backend-choices"]  # measured once per pod
 
 
 @pytest.mark.parametrize("key", ["spec_name", "spec_module_path"])

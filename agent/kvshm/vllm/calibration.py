@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kvshm.transfer import CPULoadStoreSpec, GPULoadStoreSpec, SingleDirectionOffloadingHandler
+from kvshm.transfer.chooser import BACKEND_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,14 @@ def layout_key(pages: Sequence[int], blocks_per_chunk: int) -> str:
     return f"{len(pages)}x{'+'.join(map(str, distinct))}B/bpc{blocks_per_chunk}/v{CACHE_VERSION}"
 
 
+CHOICES = ("store", "load", "store_beside", "load_beside")
+
+
 class ChoiceCache:
     """{host: {layout: {"store": b, "load": b, "store_beside": b, "load_beside": b}}} in one
-    JSON file (Measurement.choice says what each means)."""
+    JSON file (Measurement.choice says what each means). The file is only a cache: an entry
+    that does not read as choices among the known backends is measured again, and a directory
+    that cannot be written loses nothing but the next start's measurement."""
 
     def __init__(self, directory: Path | None = None) -> None:
         self.path = (directory or default_cache_dir()) / "backend-choices.json"
@@ -84,16 +90,38 @@ class ChoiceCache:
         return data if isinstance(data, dict) else {}
 
     def get(self, host: str, layout: str) -> dict[str, str] | None:
-        entry = self.load().get(host, {}).get(layout)
-        return entry if isinstance(entry, dict) else None
+        entry = self.load().get(host, {})
+        entry = entry.get(layout) if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or not entry:
+            return None
+        if any(key not in CHOICES or value not in BACKEND_NAMES for key, value in entry.items()):
+            log.warning("kvshm: ignoring unreadable cached copy backends in %s", self.path)
+            return None
+        return entry
 
     def put(self, host: str, layout: str, choice: dict[str, str]) -> None:
         data = self.load()
-        data.setdefault(host, {})[layout] = choice
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False) as out:
-            json.dump(data, out, indent=1)
-        os.replace(out.name, self.path)  # another worker's write is replaced whole, not torn
+        if not isinstance(data.get(host), dict):
+            data[host] = {}
+        data[host][layout] = choice
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(
+                "w", dir=self.path.parent, prefix=".backend-choices-", delete=False
+            ) as out:
+                try:
+                    json.dump(data, out, indent=1)
+                except BaseException:
+                    os.unlink(out.name)
+                    raise
+            os.replace(out.name, self.path)  # another worker's write is replaced whole, not torn
+        except OSError as exc:
+            log.warning(
+                "kvshm: could not keep the measured copy backends in %s (%s): the next start "
+                "measures again; set kvshm_cache_dir to a writable directory",
+                self.path,
+                exc,
+            )
 
 
 def _scratch(gpu_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
