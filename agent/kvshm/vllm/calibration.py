@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -82,7 +83,8 @@ class ChoiceCache:
     def __init__(self, directory: Path | None = None) -> None:
         self.path = (directory or default_cache_dir()) / "backend-choices.json"
 
-    def load(self) -> dict[str, dict[str, dict[str, str]]]:
+    def load(self) -> dict[str, Any]:
+        """The file's JSON object as read, unchecked ({} if there is none)."""
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -90,8 +92,8 @@ class ChoiceCache:
         return data if isinstance(data, dict) else {}
 
     def get(self, host: str, layout: str) -> dict[str, str] | None:
-        entry = self.load().get(host, {})
-        entry = entry.get(layout) if isinstance(entry, dict) else None
+        layouts = self.load().get(host)
+        entry = layouts.get(layout) if isinstance(layouts, dict) else None
         if not isinstance(entry, dict) or not entry:
             return None
         if any(key not in CHOICES or value not in BACKEND_NAMES for key, value in entry.items()):
