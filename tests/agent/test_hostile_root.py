@@ -138,7 +138,10 @@ def test_a_root_that_is_a_symlink_or_not_the_agents_is_refused(
 
 def test_invalid_names_never_become_paths(shm_dir: Path) -> None:
     root = RegionRoot(str(shm_dir / "root"))
-    for namespace, name in (("..", "r1"), ("ns1", ".."), ("ns1", "a/b"), ("NS", "r1")):
+    cases = [("..", "r1"), ("ns1", ".."), ("ns1", "a/b"), ("NS", "r1")]
+    # names the API server refuses are refused too, not only unsafe ones: one rule everywhere
+    cases += [("ns1", "a..b"), ("ns1", "a.-b"), ("ns.1", "r1"), ("n" * 64, "r1")]
+    for namespace, name in cases:
         with pytest.raises(UnsafePathError):
             root.open_region_dir(namespace, name)
     assert list((shm_dir / "root").iterdir()) == []
@@ -170,6 +173,7 @@ def test_inventory_reports_unsafe_entries_without_opening_them(
     (directory / "vllm_offload_a.mmap").symlink_to(outside / "secret")
     os.mkfifo(directory / "vllm_offload_b.mmap")
     (root / "ns1" / "elsewhere").symlink_to(outside)
+    (root / "ns1" / "no..region").mkdir()  # a name no OffloadRegion can have
     result = make_reconciler(root).reconcile(view())
     assert result.root_scan is not None
     assert result.root_scan.inventory.files == ()
@@ -177,6 +181,7 @@ def test_inventory_reports_unsafe_entries_without_opening_them(
     assert "vllm_offload_a.mmap is a symbolic link" in problems
     assert "vllm_offload_b.mmap is a FIFO" in problems
     assert "elsewhere is a symbolic link" in problems
+    assert "no..region: not a region directory name; ignored" in problems
 
 
 @pytest.mark.parametrize(

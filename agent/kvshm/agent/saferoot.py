@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from kvshm.agent.errors import describe
 from kvshm.agent.printable import printable
 from kvshm.api import RegionAccess, region_key
+from kvshm.api.address import is_dns_label, is_dns_subdomain
 from kvshm.region import RegionFileName, UnsafePathError, parse_region_file_name
 from kvshm.region.safefile import describe_file_type
 
@@ -34,20 +34,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # summarised in one problem line. A region has at most 32 files.
 MAX_DIR_ENTRIES = 4096
 MAX_REGION_FILES = 64
-# Kubernetes names: a namespace is a DNS label, an object name a DNS subdomain. Neither can be
-# empty, '.', '..' or contain '/'; that is what makes them safe directory names.
-_NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
-
 ProblemCallback = Callable[[str], None]
-
-
-def is_namespace(value: str) -> bool:
-    return bool(_NAMESPACE_RE.fullmatch(value))
-
-
-def is_region_name(value: str) -> bool:
-    return bool(_NAME_RE.fullmatch(value))
 
 
 def _refused(path: str, what: str, hint: str) -> UnsafePathError:
@@ -265,12 +252,12 @@ class RegionRoot:
         return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
     def _namespace_path(self, namespace: str) -> str:
-        if not is_namespace(namespace):
+        if not is_dns_label(namespace):
             raise UnsafePathError(errno.EINVAL, f"{namespace!r} is not a namespace name")
         return os.path.join(self.path, namespace)
 
     def _region_path(self, namespace: str, name: str) -> str:
-        if not is_region_name(name):
+        if not is_dns_subdomain(name):
             raise UnsafePathError(errno.EINVAL, f"{name!r} is not a region name")
         return os.path.join(self._namespace_path(namespace), name)
 
@@ -327,7 +314,7 @@ class RegionRoot:
         Entries that cannot be region directories are passed to `problem` and skipped."""
         for namespace in sorted(os.listdir(self.fd)):
             ns_path = os.path.join(self.path, printable(namespace))  # names are anyone's
-            if not is_namespace(namespace):
+            if not is_dns_label(namespace):
                 problem(f"{ns_path}: not a namespace directory name; ignored")
                 continue
             try:
@@ -353,7 +340,7 @@ class RegionRoot:
     ) -> Iterator[RegionDir]:
         for name in sorted(os.listdir(ns_fd)):
             path = os.path.join(self.path, namespace, printable(name))
-            if not is_region_name(name):
+            if not is_dns_subdomain(name):
                 problem(f"{path}: not a region directory name; ignored")
                 continue
             try:
