@@ -45,6 +45,8 @@ import platform
 import threading
 from collections.abc import Callable
 
+from kvshm.region import memory
+
 log = logging.getLogger(__name__)
 
 Fence = Callable[[], None]
@@ -56,8 +58,6 @@ _ARM_DMB_ISHST = bytes.fromhex("bf3a03d5") + bytes.fromhex("c0035fd6")  # dmb is
 _ARM_DMB_ISH = bytes.fromhex("bf3b03d5") + bytes.fromhex("c0035fd6")  # dmb ish; ret
 
 _PAGE = mmap.PAGESIZE
-_PROT_READ, _PROT_WRITE, _PROT_EXEC = 1, 2, 4
-_MAP_PRIVATE, _MAP_ANONYMOUS = 0x02, 0x20
 
 
 def _no_fence() -> None:
@@ -66,23 +66,9 @@ def _no_fence() -> None:
 
 def _machine_code_fence(code: bytes) -> Fence:
     """Place `code` in its own page, make the page read+execute, return it as a function."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    address = libc.mmap(None, _PAGE, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
-    if address in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), "mmap of a page for a fence failed")
+    address = memory.map_anonymous(_PAGE)
     ctypes.memmove(address, code, len(code))
-    if libc.mprotect(address, _PAGE, _PROT_READ | _PROT_EXEC) != 0:
-        raise OSError(ctypes.get_errno(), "mprotect(PROT_EXEC) of the fence page was refused")
+    memory.mprotect(address, _PAGE, mmap.PROT_READ | mmap.PROT_EXEC)
     function: Fence = ctypes.CFUNCTYPE(None)(address)
     return function
 

@@ -31,6 +31,8 @@ _libc.mmap.argtypes = [
     ctypes.c_long,
 ]
 _libc.mmap.restype = ctypes.c_void_p
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mprotect.restype = ctypes.c_int
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _libc.mincore.restype = ctypes.c_int
 
@@ -65,6 +67,22 @@ def map_file_at(address: int, length: int, fd: int) -> None:
     if result != address:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap at {address:#x}: {os.strerror(err)}")
+
+
+def map_anonymous(length: int) -> int:
+    """A new private, anonymous, read-write mapping of `length` bytes, never unmapped: its
+    address. For memory that must outlive every Python object (machine code, say)."""
+    address = _libc.mmap(
+        None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0
+    )
+    if address in (None, ctypes.c_void_p(-1).value):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {length} anonymous bytes: {os.strerror(err)}")
+    return int(address)
+
+
+def mprotect(address: int, length: int, protection: int) -> None:
+    _check(_libc.mprotect(address, length, protection), f"mprotect at {address:#x}")
 
 
 def madvise(address: int, length: int, advice: int) -> None:
