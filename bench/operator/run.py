@@ -269,7 +269,7 @@ def main() -> int:
                 "--liveness",
                 "none",
                 "--log-level",
-                "warning",
+                os.environ.get("KVSHM_BENCH_OPERATOR_LOG_LEVEL", "warning"),
             ],
             env=env,
             stdout=log,

@@ -31,6 +31,8 @@ def test_operator_starts_and_gets_a_region_ready(
     assert status["observedGeneration"] == 1
     assert api_operator.process is not None and api_operator.process.poll() is None
     assert "BadRequest" not in api_operator.output()  # kopf's watches were refused with 400
+    # each line about a region names it
+    assert f"[{api_cluster.namespace}/r1] Handler 'validate' succeeded" in api_operator.output()
     for agent in api_agents.values():
         assert agent.files() == [region_file(api_cluster, "r1")]
     api_cluster.delete_region("r1")

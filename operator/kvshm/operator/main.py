@@ -5,7 +5,6 @@ registered with it into a registry of this run's own (kvshm.operator.wiring), th
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -14,6 +13,7 @@ from dataclasses import fields
 import kopf
 
 from kvshm.operator.config import ENV_PREFIX, ConfigError, OperatorConfig
+from kvshm.operator.logs import configure_logging
 from kvshm.operator.wiring import register
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
@@ -71,10 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvshm-operator: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level)
     liveness = None if args.liveness.lower() == "none" else args.liveness
     kopf.run(
         registry=register(kopf.OperatorRegistry(), config),
