@@ -1,16 +1,21 @@
-"""The operator's log lines name the object each is about, as `kopf run`'s do.
+"""The operator's log lines: each names the object it is about, and waiting is not an error.
 
 kopf attaches the object's reference to every record its per-object loggers emit (the
 `k8s_ref` attribute); a plain format drops it, and "Handler 'release' failed temporarily"
-then says nothing about which region waits.
+then says nothing about which region waits. kopf logs every kopf.TemporaryError at ERROR,
+and kvshm raises one only to wait (a region waiting for placement, a deletion waiting for the
+agents): those lines are shown at INFO, so alerts on ERROR lines see real failures only.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import re
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# kopf's line for a TemporaryError that will be retried (not its "... but will time out")
+_WAITING = re.compile(r"Handler '[^']*' failed temporarily: ")
 
 
 class ObjectNamingFormatter(logging.Formatter):
@@ -28,10 +33,26 @@ class ObjectNamingFormatter(logging.Formatter):
         return super().format(record)
 
 
+class WaitingIsNotAnError(logging.Filter):
+    """Shows kopf's retried TemporaryError lines at INFO instead of ERROR (and so not at all
+    below `threshold`, the configured level)."""
+
+    def __init__(self, threshold: int) -> None:
+        super().__init__()
+        self.threshold = threshold
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and _WAITING.match(str(record.msg)):
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        return record.levelno >= self.threshold
+
+
 def configure_logging(level: str) -> None:
     """Root logging at `level` ("debug", "info", ...) to stderr, objects named."""
+    threshold = getattr(logging, level.upper())
     handler = logging.StreamHandler()
     handler.setFormatter(ObjectNamingFormatter(FORMAT))
+    handler.addFilter(WaitingIsNotAnError(threshold))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(getattr(logging, level.upper()))
+    root.setLevel(threshold)
