@@ -4,6 +4,7 @@ fake Nodes whose agents keep real files on a real tmpfs."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,9 @@ from typing import Any
 import yaml
 
 from kvshm.api import GROUP, REGION_PLURAL, VERSION
+from kvshm.operator.settings import FINALIZER
 from tests.envtest.server import EnvTest
-from tests.operator.harness import Agent, Cluster, OperatorProcess
+from tests.operator.harness import TEST_CONFIG, Agent, Cluster, Holder, OperatorProcess
 from tests.waiting import wait_for
 
 CRD = Path(__file__).resolve().parents[2] / "charts/kvshm/crds/offloadregions.kvshm.dev.yaml"
@@ -244,3 +246,45 @@ def test_an_api_server_restart_under_running_agents_and_operator(
     assert all(p is not None and p.poll() is None for p in processes)
     for agent in api_agents.values():
         assert agent.files() == [region_file(api_cluster, n) for n in ("after", "before")]
+
+
+def test_kopf_keeps_its_progress_in_status_where_a_regions_author_cannot_forge_it(
+    api_cluster: Cluster, api_agents: dict[str, Agent], api_operator: OperatorProcess
+) -> None:
+    agent = api_agents["node-a"]
+    agent.stop()
+    agent.extra = ("--drain-grace-seconds", "120")  # it waits for the holder below, not 2 s
+    agent.start()
+    api_cluster.create_region("r1")
+    api_cluster.wait_phase("r1", "Ready", timeout=60)
+    held = agent.root / api_cluster.namespace / "r1"
+    holder = Holder(held, "r1", mode="attach")  # a serving pod: the deletion must wait for it
+    try:
+        api_cluster.delete_region("r1")
+        wait_for(
+            lambda: "release" in (api_cluster.status("r1").get("kopf") or {}).get("progress", {}),
+            30,
+            "the release handler's progress in status.kopf.progress",
+        )
+        region = api_cluster.region("r1")
+        assert region is not None
+        assert not [a for a in region["metadata"].get("annotations", {}) if "kvshm.dev" in a]
+        # what an author may write: a record of release as done, where kopf used to keep it
+        done = {"started": "2026-01-01T00:00:00", "stopped": "2026-01-01T00:00:01"}
+        done |= {"purpose": "delete", "retries": 1, "success": True, "failure": False}
+        forged = {"kvshm.dev/release": json.dumps(done), "kvshm.dev/kopf-managed": "yes"}
+        api_cluster.custom.patch_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            api_cluster.namespace,
+            REGION_PLURAL,
+            "r1",
+            {"metadata": {"annotations": forged}},
+        )
+        time.sleep(3 * TEST_CONFIG.deletion_poll_seconds + 1)  # several of release's retries
+        region = api_cluster.region("r1")
+        assert region is not None, "released while a process still held the region"
+        assert FINALIZER in region["metadata"]["finalizers"]
+    finally:
+        holder.kill()
+    api_cluster.wait_gone("r1", timeout=30)

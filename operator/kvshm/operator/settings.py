@@ -1,4 +1,4 @@
-"""kopf settings for kvshm: our own finalizer and annotation prefix, peering, bounded workers."""
+"""kopf settings for kvshm: our finalizer, kopf's records in status, peering, bounded workers."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import kopf
 from kvshm.operator.config import OperatorConfig, PeeringMode
 
 FINALIZER = "kvshm.dev/operator"
-ANNOTATION_PREFIX = "kvshm.dev"
 DIFFBASE_FIELD = "status.kopf.lastHandledConfiguration"
+PROGRESS_FIELD = "status.kopf.progress"
+TOUCH_FIELD = "status.kopf.dummy"
 SYNC_THREADS = 4
 # kopf keeps a finalizer on every object with a timer and removes it once the timer has exited,
 # re-checking every cancellation_polling seconds (kopf's default: 60). The sweep timer deletes
@@ -20,13 +21,17 @@ TIMER_EXIT_POLL_SECONDS = 1.0
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     # One finalizer on a region, and it is ours: the agents never add any.
     settings.persistence.finalizer = FINALIZER
-    # Handler progress (a few small records) lives in kvshm.dev/* annotations. The last-handled
-    # spec does not: a copy of a spec of up to ~300 KB cannot fit the 256 KiB that all of an
-    # object's annotations share (kopf then retries forever: no phase, no deletion). It is a
-    # string field of status the CRD declares (status.kopf.lastHandledConfiguration), holding
-    # the spec only: the update handlers watch nothing else.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-        prefix=ANNOTATION_PREFIX
+    # kopf's bookkeeping lives in status.kopf, which the CRD declares, never in annotations:
+    # - handler progress (status.kopf.progress, and the field kopf touches to wake itself): a
+    #   region's author may edit its annotations but not its status, and a forged record of
+    #   `release` as done would drop the finalizer before the agents drained; in status it
+    #   also rides in the operator's own status patch instead of a patch of its own;
+    # - the last-handled spec (status.kopf.lastHandledConfiguration): a copy of a spec of up
+    #   to ~300 KB cannot fit the 256 KiB that all of an object's annotations share (kopf then
+    #   retries forever: no phase, no deletion). It holds the spec only: the update handlers
+    #   watch nothing else.
+    settings.persistence.progress_storage = kopf.StatusProgressStorage(
+        field=PROGRESS_FIELD, touch_field=TOUCH_FIELD
     )
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
         field=DIFFBASE_FIELD, ignored_fields=["metadata"]
