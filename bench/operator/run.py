@@ -239,6 +239,7 @@ def main() -> int:
         "--create-threads", type=int, default=1, help="clients creating the regions at once"
     )
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]  # other work on the machine moves every time below
     nodes = [f"node-{i:02d}" for i in range(args.nodes)]
 
     print(f"baseline: {args.nodes} simulated agents report {args.regions} regions, no operator")
@@ -347,7 +348,8 @@ def main() -> int:
         mark = "" if ok is None else ("PASS" if ok else "FAIL")
         print(f"  {name:<44} {value:>14}  {goal:<16} {mark}")
 
-    setup = "kube-apiserver v1.28 + etcd + simulated agents, 2 CPUs"
+    load = f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    setup = f"kube-apiserver v1.28 + etcd + simulated agents, {os.cpu_count()} CPUs, {load}"
     print(f"\n{args.regions} regions over {args.nodes} nodes ({setup})")
     row("baseline: agents alone report all Ready", f"{floor:.1f} s")
     row(f"creates issued ({args.create_threads} at a time)", f"{created:.1f} s")

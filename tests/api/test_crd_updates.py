@@ -118,8 +118,8 @@ def reclaim(path: str, **extra: Any) -> dict[str, Any]:
 def test_a_reclaim_names_a_file_without_dotdot(objects: Objects) -> None:
     for path in ("../etc/passwd", "default/../../x", "a/.."):
         assert "'..'" in refusal(objects.create_node, [reclaim(path)])
-    ok = objects.create_node([reclaim("default/r1/vllm_offload_a.mmap", instanceId="a")])
-    assert ok["spec"]["reclaims"][0]["instanceId"] == "a"
+    ok = objects.create_node([reclaim("default/r1/vllm_offload_a.mmap")])
+    assert ok["spec"]["reclaims"][0]["path"] == "default/r1/vllm_offload_a.mmap"
 
 
 def test_reclaims_are_one_per_path_and_complete(objects: Objects) -> None:

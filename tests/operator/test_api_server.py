@@ -268,6 +268,8 @@ def test_kopf_keeps_its_progress_in_status_where_a_regions_author_cannot_forge_i
         )
         region = api_cluster.region("r1")
         assert region is not None
+        record = region["status"]["kopf"]["progress"]["release"]  # the CRD keeps all of it
+        assert record["retries"] >= 1 and record["delayed"] and record["purpose"] == "delete"
         assert not [a for a in region["metadata"].get("annotations", {}) if "kvshm.dev" in a]
         # what an author may write: a record of release as done, where kopf used to keep it
         done = {"started": "2026-01-01T00:00:00", "stopped": "2026-01-01T00:00:01"}
