@@ -105,6 +105,29 @@ def test_the_policy_pick_stays_unless_clearly_beaten() -> None:
     assert loads_only.choice() == {"load": "dma"}
 
 
+def test_a_tie_goes_to_the_backend_that_takes_the_fewest_sms() -> None:
+    """Within MARGIN the measurement cannot tell; the copy engines leave the engine's SMs
+    alone (docs/transfer.md F9), so DMA wins a tie over the policy's staging."""
+    tied = calibration.Measurement(
+        alone={"store": {"dma": 1.02, "staged": 1.0}, "load": {"dma": 1.0, "staged": 0.99}},
+        both={("dma", "dma"): 1.025, ("staged", "dma"): 1.01, ("staged", "staged"): 1.0},
+        policy={"store": "staged", "load": "staged"},
+    )
+    assert tied.choice() == dict.fromkeys(CHOICES, "dma")
+    # outside the margin the faster wins, whatever it takes
+    clear = dataclasses.replace(
+        tied,
+        alone={"store": {"dma": 1.05, "staged": 1.0}, "load": {"dma": 1.0, "kernel": 0.9}},
+        both={("dma", "dma"): 1.05, ("staged", "dma"): 1.02, ("staged", "staged"): 1.0},
+    )
+    assert clear.choice() == {
+        "store": "staged",
+        "load": "kernel",
+        "store_beside": "staged",  # the pair with one DMA side, tied with the fastest
+        "load_beside": "dma",
+    }
+
+
 def test_a_failed_job_is_never_chosen() -> None:
     measured = calibration.Measurement(
         alone={"store": {"dma": 1.0, "kernel": float("inf")}, "load": {"dma": 1.0}},
@@ -138,7 +161,7 @@ def test_the_cache_keeps_other_layouts_and_survives_a_broken_file(tmp_path: Path
     cache.put("host", "b", {"store": "staged", "load": "dma"})
     assert cache.get("host", "a") == {"store": "dma", "load": "kernel"}
     assert cache.get("other-host", "a") is None
-    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v3"
+    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v4"
 
 
 @pytest.mark.parametrize(

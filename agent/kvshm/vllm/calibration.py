@@ -21,10 +21,10 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -48,8 +48,12 @@ REPS = 3  # medians of this many rounds
 # each trial moves the scratch blocks this many times: runs of a few ms (one pass) put a
 # few % of fixed cost on every backend alike and hid a 6 % difference the link shows (H100)
 PASSES = 4
-CACHE_VERSION = 3  # earlier choices (one way only; one pair for both cases) are measured again
-MARGIN = 0.03  # a measured backend replaces the policy's pick only if this much faster
+CACHE_VERSION = 4  # choices of earlier rules (one way only, one pair, ties to the policy) expire
+MARGIN = 0.03  # times within this of the fastest are a tie: runs of a few ms tell no finer
+# How much of the engine's compute each backend takes (docs/transfer.md F9: matrix products
+# beside DMA took 0.92-1.13x as long, beside staging 1.11-1.16x, beside the copy kernel
+# 1.25-1.61x); a tie goes to the backend that takes the least, the measurement not seeing it.
+SM_USE = {"dma": 0, "cpu": 0, "staged": 1, "kernel": 2}
 
 HandlerFactory = Callable[
     [bool, str | None, Sequence[torch.Tensor]], SingleDirectionOffloadingHandler
@@ -298,32 +302,38 @@ class Measurement:
         """Per direction the backend for jobs while the other direction is idle ("store",
         "load": the fastest alone) and while it is busy ("store_beside", "load_beside": the
         fastest pair both ways at once): on some hosts the copy engines win one way while
-        staging wins both ways, one thread issuing both directions' descriptors. The policy's
-        own pick stays unless a measured one beats it by MARGIN: runs of a few milliseconds
-        tell apart no finer, and the policy also weighs what the measurement does not see (how
-        much each backend slows the engine's compute)."""
+        staging wins both ways, one thread issuing both directions' descriptors. Times within
+        MARGIN of the fastest are a tie, which goes to the backend (or pair) that takes the
+        fewest of the engine's SMs (SM_USE), then to the per-block-size policy's pick, then to
+        the faster."""
         choice = {
-            name: self._keep_policy(times, self.policy.get(name))
+            name: _break_ties({(b,): t for b, t in times.items()}, (self.policy.get(name, ""),))[0]
             for name, times in self.alone.items()
         }
         if not self.both:
             return choice
-        by_pair = {f"{s}+{ld}": t for (s, ld), t in self.both.items()}
-        policy_pair = f"{self.policy.get('store')}+{self.policy.get('load')}"
-        store, load = self._keep_policy(by_pair, policy_pair).split("+")
+        policy_pair = (self.policy.get("store", ""), self.policy.get("load", ""))
+        store, load = _break_ties(self.both, policy_pair)
         return {**choice, "store_beside": store, "load_beside": load}
-
-    @staticmethod
-    def _keep_policy(times: dict[str, float], policy: str | None) -> str:
-        best = min(times, key=lambda k: times[k])
-        if policy in times and times[policy] <= times[best] * (1 + MARGIN):
-            return policy
-        return best
 
     def summary(self) -> str:
         alone = {n: {b: round(s * 1e3, 2) for b, s in t.items()} for n, t in self.alone.items()}
         both = {f"{s}+{ld}": round(t * 1e3, 2) for (s, ld), t in self.both.items()}
         return f"ms alone {alone}, both ways {both}"
+
+
+Backends = TypeVar("Backends", bound=tuple[str, ...])  # one backend, or a store+load pair
+
+
+def _break_ties(times: Mapping[Backends, float], policy: Backends) -> Backends:
+    """The fastest backends, a tie (within MARGIN) going to the fewest SMs, then the policy."""
+    fastest = min(times.values())
+    tied = [key for key, seconds in times.items() if seconds <= fastest * (1 + MARGIN)]
+
+    def rank(key: Backends) -> tuple[int, bool, float]:
+        return sum(SM_USE.get(b, 2) for b in key), key != policy, times[key]
+
+    return min(tied, key=rank)
 
 
 def choose(
