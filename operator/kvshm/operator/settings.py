@@ -1,15 +1,14 @@
-"""kopf settings for kvshm: our finalizer, kopf's records in status, peering, bounded workers."""
+"""kopf settings for kvshm: our finalizer, where kopf keeps records, peering, bounded workers."""
 
 from __future__ import annotations
 
 import kopf
 
 from kvshm.operator.config import OperatorConfig, PeeringMode
+from kvshm.operator.progress import ProgressByKind
 
 FINALIZER = "kvshm.dev/operator"
 DIFFBASE_FIELD = "status.kopf.lastHandledConfiguration"
-PROGRESS_FIELD = "status.kopf.progress"
-TOUCH_FIELD = "status.kopf.dummy"
 SYNC_THREADS = 4
 # kopf keeps a finalizer on every object with a timer and removes it once the timer has exited,
 # re-checking every cancellation_polling seconds (kopf's default: 60). The sweep timer deletes
@@ -21,18 +20,12 @@ TIMER_EXIT_POLL_SECONDS = 1.0
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     # One finalizer on a region, and it is ours: the agents never add any.
     settings.persistence.finalizer = FINALIZER
-    # kopf's bookkeeping lives in status.kopf, which the CRD declares, never in annotations:
-    # - handler progress (status.kopf.progress, and the field kopf touches to wake itself): a
-    #   region's author may edit its annotations but not its status, and a forged record of
-    #   `release` as done would drop the finalizer before the agents drained; in status it
-    #   also rides in the operator's own status patch instead of a patch of its own;
-    # - the last-handled spec (status.kopf.lastHandledConfiguration): a copy of a spec of up
-    #   to ~300 KB cannot fit the 256 KiB that all of an object's annotations share (kopf then
-    #   retries forever: no phase, no deletion). It holds the spec only: the update handlers
-    #   watch nothing else.
-    settings.persistence.progress_storage = kopf.StatusProgressStorage(
-        field=PROGRESS_FIELD, touch_field=TOUCH_FIELD
-    )
+    # Handler progress: in status for regions, in annotations for OffloadNodes (progress.py
+    # says why). The last-handled spec (status.kopf.lastHandledConfiguration) is in status too:
+    # a copy of a spec of up to ~300 KB cannot fit the 256 KiB that all of an object's
+    # annotations share (kopf then retries forever: no phase, no deletion). It holds the spec
+    # only: the update handlers watch nothing else.
+    settings.persistence.progress_storage = ProgressByKind()
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
         field=DIFFBASE_FIELD, ignored_fields=["metadata"]
     )
