@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvshm.operator.logs import FORMAT, ObjectNamingFormatter, WaitingIsNotAnError
+from kvshm.operator.logs import FORMAT, ObjectNamingFormatter, OnlyFailuresAreErrors
 
 REGION = {"namespace": "team-a", "name": "r1", "kind": "OffloadRegion"}
 
@@ -20,7 +20,7 @@ def lines(request: pytest.FixtureRequest) -> Iterator[tuple[logging.Logger, io.S
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(ObjectNamingFormatter(FORMAT))
-    handler.addFilter(WaitingIsNotAnError(level))
+    handler.addFilter(OnlyFailuresAreErrors(level))
     logger = logging.getLogger(f"kvshm-test-{request.node.name}")
     logger.handlers[:] = [handler]
     logger.setLevel(level)
@@ -51,9 +51,11 @@ def test_a_wait_is_shown_at_info_and_a_failure_stays_an_error(
     logger.error("Handler 'release' failed temporarily: waiting for node-01", extra=extra)
     logger.error("Handler 'release' failed temporarily but will time out after 60 seconds: x")
     logger.error("Handler 'release' failed with an exception. Will retry.")
+    logger.error("Handler 'validate' failed permanently: spec.placement matches none", extra=extra)
     text = out.getvalue().splitlines()
     assert " INFO " in text[0] and "[team-a/r1] Handler 'release' failed temporarily" in text[0]
     assert " ERROR " in text[1] and " ERROR " in text[2]
+    assert " WARNING " in text[3] and "[team-a/r1] Handler 'validate' failed permanently" in text[3]
 
 
 @pytest.mark.parametrize("lines", [logging.WARNING], indirect=True)
