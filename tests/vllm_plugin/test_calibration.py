@@ -197,3 +197,8 @@ def test_a_cache_that_cannot_be_written_loses_only_the_next_starts_measurement(
     writable = ChoiceCache(tmp_path)
     writable.put("host", "layout", {"store": "dma"})
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp left
+    # written, but the rename refused (a directory in the way): the written copy goes too
+    blocked = tmp_path / "blocked"
+    (blocked / "backend-choices.json").mkdir(parents=True)
+    ChoiceCache(blocked).put("host", "layout", {"store": "dma"})
+    assert sorted(p.name for p in blocked.iterdir()) == ["backend-choices.json"]

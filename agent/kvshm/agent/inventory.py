@@ -45,7 +45,7 @@ class InventoryScanner:
         self._orphaned_since: dict[str, datetime] = {}
 
     def seed_orphaned_since(self, since: dict[str, datetime]) -> None:
-        """Carry first-seen times over a restart (from the last published inventory)."""
+        """Carry orphaned-since times over a restart (from the last published inventory)."""
         for path, moment in since.items():
             self._orphaned_since.setdefault(path, moment)
 

@@ -42,8 +42,9 @@ class InventoryFile:
     claimed_by: str  # "<namespace>/<name>" of the region that names this file, or ""
     held: bool  # a process other than the agent holds it (unknown counts as held)
     age_seconds: int = 0  # since its newest file was last written
-    # when the agent first saw it unclaimed (kept over agent restarts); the operator's orphan
-    # grace period counts from it, so it survives operator restarts too. None while claimed.
+    # since when the agent has seen it an orphan, unclaimed and unheld (kept over agent
+    # restarts, rounded up to a second); the operator's orphan grace period counts from it, so
+    # it survives operator restarts too. None while claimed or held.
     orphaned_since: datetime | None = None
     files: int = 1  # vllm_offload_<id>.mmap and its .mmap.<i> files
 

@@ -110,18 +110,18 @@ class ChoiceCache:
         if not isinstance(data.get(host), dict):
             data[host] = {}
         data[host][layout] = choice
+        written: str | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(
                 "w", dir=self.path.parent, prefix=".backend-choices-", delete=False
             ) as out:
-                try:
-                    json.dump(data, out, indent=1)
-                except BaseException:
-                    os.unlink(out.name)
-                    raise
-            os.replace(out.name, self.path)  # another worker's write is replaced whole, not torn
+                written = out.name
+                json.dump(data, out, indent=1)
+            os.replace(written, self.path)  # another worker's write is replaced whole, not torn
         except OSError as exc:
+            if written is not None:  # the file was made, then could not be filled or renamed
+                Path(written).unlink(missing_ok=True)
             log.warning(
                 "kvshm: could not keep the measured copy backends in %s (%s): the next start "
                 "measures again; set kvshm_cache_dir to a writable directory",

@@ -27,9 +27,8 @@ class ObjectNamingFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         ref = getattr(record, "k8s_ref", None)
-        name = ref.get("name") if isinstance(ref, dict) else None
-        if name:
-            namespace = ref.get("namespace") if isinstance(ref, dict) else None
+        if isinstance(ref, dict) and ref.get("name"):
+            name, namespace = ref["name"], ref.get("namespace")
             record = copy.copy(record)  # other handlers see the record as it was
             record.msg = (
                 f"[{namespace}/{name}] {record.msg}" if namespace else f"[{name}] {record.msg}"
