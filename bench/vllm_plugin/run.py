@@ -45,7 +45,7 @@ from bench.common.gpu import GIB, MIB, Compute, beside_compute, gbps, link_peak,
 from bench.vllm_plugin.baseline import Built, build_vllm, vllm_dma_note, vllm_platform_note  # noqa: E402
 from bench.vllm_plugin.jobs import Plan, issue_and_wait, job_specs, plan  # noqa: E402
 from tests.vllm_plugin.layouts import REAL_LAYOUTS, KvLayout, canonical_kv_caches  # noqa: E402
-from tests.vllm_plugin.regions import agent_region  # noqa: E402
+from tests.vllm_plugin.regions import agent_region, remove_region  # noqa: E402
 
 from kvshm.vllm.attach import attach_region  # noqa: E402
 from kvshm.vllm.geometry import RegionGeometry  # noqa: E402
@@ -105,7 +105,7 @@ CALIBRATE: list[Any] = []  # (c)'s ChoiceCache (fresh per run): the plugin measu
 
 def build_plugin(kv: Any, chunks: int, cell: int, workers: int) -> Built:
     instance_id = f"kvshm-bench-plugin-{uuid.uuid4().hex[:8]}"
-    path = agent_region(SHM, instance_id, chunks, cell, workers)  # the agent's work, beforehand
+    agent_region(SHM, instance_id, chunks, cell, workers)  # the agent's work, beforehand
     started = time.perf_counter()
     geometry = RegionGeometry(chunks, cell * workers, cell, workers, False)
     region = attach_region(SHM, instance_id, geometry, 0, 5.0)
@@ -122,7 +122,7 @@ def build_plugin(kv: Any, chunks: int, cell: int, workers: int) -> Built:
 
     def close() -> None:
         worker.shutdown()
-        Path(path).unlink(missing_ok=True)
+        remove_region(SHM, instance_id)  # every file: a 64 GiB region has 32
 
     return Built(worker, seconds, close, {})
 
