@@ -25,7 +25,7 @@ from kvshm.api.reading import (
     parse_timestamp,
     read_count,
     read_entries,
-    read_int,
+    read_nonnegative,
     read_str,
 )
 from kvshm.api.resources import ReclaimOutcome
@@ -67,7 +67,7 @@ class InventoryFile:
 
     @classmethod
     def from_status(cls, entry: Mapping[str, Any]) -> InventoryFile:
-        files = read_int(entry.get("fileCount"))
+        files = read_nonnegative(entry.get("fileCount"))
         return cls(
             path=read_str(entry.get("path"), MAX_PATH),
             size_bytes=read_count(entry.get("sizeBytes")),
@@ -75,7 +75,7 @@ class InventoryFile:
             held=entry.get("held") is not False,
             age_seconds=read_count(entry.get("ageSeconds")),
             orphaned_since=parse_timestamp(entry.get("orphanedSince")),
-            files=files if files is not None and files >= 0 else 1,
+            files=1 if files is None else files,
         )
 
 
@@ -154,11 +154,9 @@ class NodeInventory:
 
     @classmethod
     def from_status(cls, status: Mapping[str, Any]) -> NodeInventory:
-        capacity = read_int(status.get("capacityBytes"))
-        free = read_int(status.get("freeBytes"))
         return cls(
-            capacity_bytes=capacity if capacity is not None and capacity >= 0 else None,
-            free_bytes=free if free is not None and free >= 0 else None,
+            capacity_bytes=read_nonnegative(status.get("capacityBytes")),
+            free_bytes=read_nonnegative(status.get("freeBytes")),
             reserve_bytes=read_count(status.get("reserveBytes")),
             files=tuple(
                 InventoryFile.from_status(e)
@@ -207,10 +205,9 @@ class ReclaimRequest:
 
     @classmethod
     def from_spec(cls, entry: Mapping[str, Any]) -> ReclaimRequest:
-        size = read_int(entry.get("sizeBytes"))
         return cls(
             path=read_str(entry.get("path"), MAX_PATH),
-            size_bytes=size if size is not None and size >= 0 else None,
+            size_bytes=read_nonnegative(entry.get("sizeBytes")),
             requested_at=parse_timestamp(entry.get("requestedAt")),
             reason=read_str(entry.get("reason"), MAX_REASON),
         )

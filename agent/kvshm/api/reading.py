@@ -50,10 +50,16 @@ def read_int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def read_nonnegative(value: object) -> int | None:
+    """A non-negative integer field; anything else reads as None."""
+    number = read_int(value)
+    return number if number is not None and number >= 0 else None
+
+
 def read_count(value: object) -> int:
     """A non-negative integer field; anything else reads as 0."""
-    number = read_int(value)
-    return number if number is not None and number >= 0 else 0
+    number = read_nonnegative(value)
+    return 0 if number is None else number
 
 
 def read_str(value: object, limit: int) -> str:
