@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import uuid
 from collections.abc import Callable
@@ -27,7 +26,7 @@ sys.path[:0] = [str(REPO)]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench.common.gpu import GIB, KIB, MIB, gbps, wall  # noqa: E402
+from bench.common.gpu import GIB, KIB, MIB, gbps, median_seconds, wall  # noqa: E402
 
 from kvshm.region import RegionFormat, RegionLayout, SharedOffloadRegion  # noqa: E402
 from kvshm.region.shared_region import OpenMode  # noqa: E402
@@ -100,8 +99,7 @@ class Copies:
         return make
 
     def rate(self, issue: Callable[[], None], moved: int) -> float:
-        wall(issue)
-        return gbps(moved, statistics.median(wall(issue) for _ in range(self.reps)))
+        return gbps(moved, median_seconds(lambda: wall(issue), self.reps, warmup=1))
 
 
 def measure(copies: Copies, memory: torch.Tensor, pinned: torch.Tensor) -> list[dict[str, object]]:
