@@ -4,7 +4,7 @@ The region is a file on tmpfs, mapped shared and registered with cudaHostRegiste
 plugin's worker does; the baseline is torch's pinned memory (cudaHostAlloc). Both move the
 same copies between host rows in random order and one device buffer, issued two ways:
   - torch's copy_ (one cudaMemcpyAsync a piece), pieces of 1 GiB down to 256 KiB;
-  - cuMemcpyBatchAsync, kvshm's DMA backend's call: one descriptor a row (rows of a Qwen2.5-7B
+  - kvshm's DMA backend (cuMemcpyBatchAsync): one descriptor a row (rows of a Qwen2.5-7B
     cell, 896 KiB, and of 2 MiB), 8, 16 or 128 descriptors a call.
 Each line prints region GB/s, pinned GB/s and their ratio per direction (docs/transfer.md F18).
 
@@ -30,7 +30,9 @@ from bench.common.gpu import GIB, KIB, MIB, gbps, median_seconds, wall  # noqa: 
 
 from kvshm.region import RegionFormat, RegionLayout, SharedOffloadRegion  # noqa: E402
 from kvshm.region.shared_region import OpenMode  # noqa: E402
-from kvshm.transfer.backends.cuda_driver import CUDA_SUCCESS, CopyDirection, cuda_driver  # noqa: E402
+from kvshm.transfer.backends.cuda_driver import CopyDirection, cuda_driver  # noqa: E402
+from kvshm.transfer.backends.dma import DmaBackend  # noqa: E402
+from kvshm.transfer.batch import CopyBatch  # noqa: E402
 
 QWEN_CELL = 917504  # Qwen2.5-7B TP1: 28 layers x 32 KiB (K and V) a block
 PIECES = (GIB, 8 * MIB, 2 * MIB, 896 * KIB, 256 * KIB)
@@ -69,30 +71,26 @@ class Copies:
         return make
 
     def batched(self, row: int, per_call: int) -> Issue:
+        """kvshm's own DMA backend, one descriptor a row, `per_call` descriptors a call."""
         driver = cuda_driver()
 
         def make(host: int, h2d: bool) -> Callable[[], None]:
             order = self.order(row)
-            hosts = (host + order * row).astype(np.uint64)
-            devices = (self.device.data_ptr() + np.arange(len(order)) * row).astype(np.uint64)
-            sizes = np.full(len(order), row, dtype=np.uint64)
-            src, dst = (hosts, devices) if h2d else (devices, hosts)
-            attributes = CopyDirection(not h2d, torch.cuda.current_device()).attributes()
-            handle = int(self.stream.cuda_stream)
+            batch = CopyBatch.allocate(len(order))
+            hosts = host + order * row
+            devices = self.device.data_ptr() + np.arange(len(order)) * row
+            batch.rows[0], batch.rows[1] = (hosts, devices) if h2d else (devices, hosts)
+            batch.rows[2] = row
+            batch = batch.with_total(len(order) * row)
+            direction = CopyDirection(not h2d, torch.cuda.current_device())
+            dma = DmaBackend(driver, direction, descriptors_per_call=per_call)
+            if not dma.uses_batch:
+                sys.exit("cuMemcpyBatchAsync is missing here (CUDA < 12.8): nothing to compare")
 
             def issue() -> None:
-                for start in range(0, len(order), per_call):
-                    count, at = min(per_call, len(order) - start), start * 8
-                    code = driver.memcpy_batch(
-                        dst.ctypes.data + at,
-                        src.ctypes.data + at,
-                        sizes.ctypes.data + at,
-                        count,
-                        attributes,
-                        handle,
-                    )
-                    if code != CUDA_SUCCESS:
-                        raise RuntimeError(f"cuMemcpyBatchAsync failed: CUDA error {code}")
+                dma.copy(batch, self.stream)
+                if not dma.uses_batch:
+                    sys.exit("the driver refused cuMemcpyBatchAsync on this stream")
 
             return issue
 
