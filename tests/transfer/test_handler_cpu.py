@@ -186,8 +186,11 @@ def test_jobs_finish_in_submission_order(
     assert handler.get_finished() == []
 
     gate.opened.set()
-    handler.wait([20])
+    handler.wait(iter([10, 30]))  # any iterable, in any order: both are done after it
     results = handler.get_finished()
+    assert [r.job_id for r in results][:2] == [30, 10]
+    handler.wait({20})
+    results += handler.get_finished()
 
     assert [r.job_id for r in results] == [30, 10, 20]
     assert all(r.success and r.transfer_size == 2 * GPU_PAGE for r in results)
@@ -205,6 +208,22 @@ def test_wait_blocks_until_the_job_is_done_and_ignores_unknown_ids(
     assert gate.opened.is_set()
     assert [r.job_id for r in handler.get_finished()] == [1]
     handler.wait([1])  # finished and collected: nothing to wait for
+
+
+def test_wait_retires_the_jobs_ahead_of_the_one_it_waits_for(
+    pair: CpuGpuOffloadingHandlers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = Gate(monkeypatch)
+    handler = pair.gpu_to_cpu_handler
+    jobs = sample("kvshm_transfer_jobs_total", "gpu_to_cpu")
+    for job_id in (1, 2, 3):
+        handler.transfer_async(job_id, one_block_spec(job_id, job_id))
+    threading.Timer(0.2, gate.opened.set).start()
+    handler.wait({3})
+    # job 1 ended while the wait blocked: it is counted already, and reported once
+    assert sample("kvshm_transfer_jobs_total", "gpu_to_cpu") >= jobs + 1
+    assert [r.job_id for r in handler.get_finished()] == [1, 2, 3]
+    assert handler.get_finished() == []
 
 
 def test_shutdown_waits_for_all_jobs_then_refuses_new_ones(

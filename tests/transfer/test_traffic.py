@@ -28,6 +28,18 @@ def test_traffic_counts_each_direction_and_never_goes_below_zero() -> None:
     assert traffic.other_busy(Direction.GPU_TO_CPU)
 
 
+def test_traffic_retires_several_jobs_at_once() -> None:
+    traffic = Traffic()
+    for _ in range(3):
+        traffic.started(Direction.GPU_TO_CPU)
+    traffic.finished(Direction.GPU_TO_CPU, 2)
+    assert traffic.other_busy(Direction.CPU_TO_GPU)
+    traffic.finished(Direction.GPU_TO_CPU, 5)  # more than in flight: none left, not negative
+    assert not traffic.other_busy(Direction.CPU_TO_GPU)
+    traffic.started(Direction.GPU_TO_CPU)
+    assert traffic.other_busy(Direction.CPU_TO_GPU)
+
+
 def test_a_backend_named_for_busy_traffic_must_exist() -> None:
     gpu = [torch.zeros((4, 64), dtype=torch.int8)]
     cpu = [torch.zeros((4, 64), dtype=torch.int8)]

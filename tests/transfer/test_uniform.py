@@ -4,14 +4,18 @@ every byte where the general planner's direct copies would (memmove, no GPU)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
+import torch
 
 from kvshm.transfer import CanonicalKVCacheRef, CPULoadStoreSpec, GPULoadStoreSpec
+from kvshm.transfer.backends.dma import DmaBackend
+from kvshm.transfer.backends.kernel import KernelBackend
+from kvshm.transfer.backends.staged import PIECES_KEPT, StagedBackend
 from kvshm.transfer.pointers import RowGeometry
-from kvshm.transfer.uniform import UniformLayout, uniform_tables
+from kvshm.transfer.uniform import UniformLayout, uniform_pieces, uniform_tables
 
 from .test_staging import CELL, PAGE, ROW, ROWS, TENSORS, apply, handlers  # noqa: F401
 
@@ -126,10 +130,11 @@ def test_uniform_tables_move_every_byte_the_general_planner_moves(
 
     job = layout.job(spec, gpu_to_cpu)
     assert job is not None
-    pieces = -(-20 // blocks_per_piece)
-    buffers = [np.zeros(blocks_per_piece * CELL, dtype=np.uint8) for _ in range(pieces)]
+    piece_count = -(-20 // blocks_per_piece)
+    buffers = [np.zeros(blocks_per_piece * CELL, dtype=np.uint8) for _ in range(piece_count)]
     bases = np.array([b.ctypes.data for b in buffers], dtype=np.int64)
-    tables = uniform_tables(layout, job, bases, blocks_per_piece, gpu_to_cpu)
+    pieces = uniform_pieces(layout, 20, blocks_per_piece)
+    tables = uniform_tables(layout, job, bases, pieces, gpu_to_cpu)
     assert tables.runs.shape == (3, 20) and set(tables.runs[2].tolist()) == {CELL}
     assert tables.run_piece_starts.tolist()[-1] == 20
     assert tables.copy_piece_starts.tolist() == (tables.run_piece_starts * TENSORS).tolist()
@@ -141,3 +146,27 @@ def test_uniform_tables_move_every_byte_the_general_planner_moves(
         apply(tables.kernel)
     for staged, expected in zip(target, direct, strict=True):
         assert staged.equal(expected)
+
+
+def test_the_staged_backend_keeps_a_bounded_piece_cut_per_block_count() -> None:
+    pages = [PAGE] * TENSORS
+    layout = UniformLayout.of(gpu_views(pages), cpu_views(pages), 1, refs(pages))
+    assert layout is not None
+    # the cut needs neither the GPU nor the copy backends
+    none = cast(Any, None)
+    backend = StagedBackend(
+        torch.device("cpu"), True, cast(DmaBackend, none), cast(KernelBackend, none), 4 * CELL, 2
+    )
+    first = backend._pieces_for(layout, 10, 4)
+    assert (
+        first.run_starts.tolist() == [0, 4, 8, 10]
+        and first.piece.tolist() == [0] * 4 + [1] * 4 + [2] * 2
+    )
+    assert backend._pieces_for(layout, 10, 4) is first  # kept
+    for count in range(1, 2 * PIECES_KEPT):
+        backend._pieces_for(layout, count, 4)
+    assert len(backend._pieces) == PIECES_KEPT
+    assert backend._pieces_for(layout, 10, 4) is not first  # pushed out, computed again
+    other = UniformLayout.of(gpu_views(pages), cpu_views(pages, base=1 << 31), 1, refs(pages))
+    assert other is not None
+    assert backend._pieces_for(other, 10, 4) is not backend._pieces_for(layout, 10, 4)

@@ -24,7 +24,7 @@ from kvshm.transfer.errors import (
     InvalidTensorsError,
     InvalidTransferSpecError,
 )
-from kvshm.transfer.metrics import Direction, TransferMetrics
+from kvshm.transfer.metrics import Direction, FinishedJob, TransferMetrics
 from kvshm.transfer.options import TransferOptions
 from kvshm.transfer.plan import JobPlanner
 from kvshm.transfer.pointers import RowGeometry
@@ -177,6 +177,7 @@ class SingleDirectionOffloadingHandler:
         self._metrics = TransferMetrics(self.direction)
         self._jobs: deque[_Job] = deque()
         self._pending: dict[int, _Job] = {}
+        self._ready: list[TransferResult] = []  # retired by wait, for get_finished
         self._closed = False
 
     @property
@@ -251,45 +252,68 @@ class SingleDirectionOffloadingHandler:
 
     def get_finished(self) -> list[TransferResult]:
         """Results of the jobs finished since the last call, in submission order."""
-        results = []
-        while self._jobs and self._jobs[0].ticket.done():
-            results.append(self._retire(self._jobs.popleft()))
+        results, self._ready = self._ready, []
+        self._collect(results)
         return results
 
-    def _retire(self, job: _Job) -> TransferResult:
-        ticket = job.ticket
-        seconds = ticket.seconds()
-        self._timeline.release(ticket)
-        del self._pending[job.job_id]
+    def _collect(self, into: list[TransferResult], stop: _Job | None = None) -> None:
+        """Retire the done jobs at the head of the queue (up to, not including, stop)."""
+        done = []
+        while self._jobs and self._jobs[0] is not stop and self._jobs[0].ticket.done():
+            done.append(self._jobs.popleft())
+        if done:
+            into.extend(self._retire(done))
+
+    def _retire(self, jobs: list[_Job]) -> list[TransferResult]:
+        """Release done jobs and report them; the metrics and the traffic count move once for
+        all of them."""
+        results = []
+        finished: list[FinishedJob] = []
+        for job in jobs:
+            ticket = job.ticket
+            seconds = ticket.seconds()
+            self._timeline.release(ticket)
+            del self._pending[job.job_id]
+            success = ticket.error is None
+            if success:
+                finished.append((job.size_bytes, seconds, job.backend))
+            else:
+                log.error("transfer job %d failed: %s", job.job_id, ticket.error)
+            results.append(
+                TransferResult(job.job_id, success, job.size_bytes, seconds, self.transfer_type)
+            )
+        self._metrics.finished(finished)
+        if len(finished) < len(jobs):
+            self._metrics.failed(len(jobs) - len(finished))
         if self._traffic is not None:
-            self._traffic.finished(self.direction)
-        success = ticket.error is None
-        if success:
-            self._metrics.finished(job.size_bytes, seconds, job.backend)
-        else:
-            log.error("transfer job %d failed: %s", job.job_id, ticket.error)
-            self._metrics.failed()
-        return TransferResult(job.job_id, success, job.size_bytes, seconds, self.transfer_type)
+            self._traffic.finished(self.direction, len(jobs))
+        return results
 
     def wait(self, job_ids: Iterable[int]) -> None:
-        """Block until the given jobs are done (ids not in flight are ignored)."""
-        for job_id in job_ids:
-            job = self._pending.get(job_id)
-            if job is not None:
-                job.ticket.synchronize()
+        """Block until the given jobs are done (ids not in flight are ignored). Jobs end in
+        submission order, so this waits for the latest of them; the jobs ahead of it are
+        retired as they end, their bookkeeping overlapping the copies still running rather
+        than following the wait in get_finished, which returns them."""
+        wanted = job_ids if isinstance(job_ids, (set, frozenset, dict)) else set(job_ids)
+        target = next((job for job in reversed(self._jobs) if job.job_id in wanted), None)
+        if target is None:
+            return
+        while self._jobs[0] is not target and not target.ticket.done():
+            self._jobs[0].ticket.synchronize()
+            self._collect(self._ready, stop=target)
+        target.ticket.synchronize()
 
     def wait_all(self) -> None:
         """Block until every job in flight is done; their results stay for get_finished."""
-        for job in list(self._jobs):
-            job.ticket.synchronize()
+        if self._jobs:
+            self._jobs[-1].ticket.synchronize()  # the last to end
 
     def shutdown(self) -> None:
         """Wait for every job and release streams, events and threads. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        while self._jobs:
-            job = self._jobs.popleft()
-            job.ticket.synchronize()
-            self._retire(job)
+        self.wait_all()
+        self._retire(list(self._jobs))
+        self._jobs.clear()
         self._timeline.close()

@@ -21,8 +21,8 @@ class Traffic:
     def started(self, direction: Direction) -> None:
         self._in_flight[direction] += 1
 
-    def finished(self, direction: Direction) -> None:
-        self._in_flight[direction] = max(0, self._in_flight[direction] - 1)
+    def finished(self, direction: Direction, jobs: int = 1) -> None:
+        self._in_flight[direction] = max(0, self._in_flight[direction] - jobs)
 
     def other_busy(self, direction: Direction) -> bool:
         """Whether the other direction has jobs in flight."""

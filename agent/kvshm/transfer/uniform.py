@@ -83,6 +83,10 @@ class UniformLayout:
         return len(self.page)
 
     @property
+    def largest_page(self) -> int:
+        return int(self.page.max())
+
+    @property
     def mean_page_bytes(self) -> int:
         return self.block_bytes // self.refs
 
@@ -121,6 +125,42 @@ class UniformJob:
 
 
 @dataclass(frozen=True)
+class UniformPieces:
+    """How a uniform job of `count` blocks is cut into pieces, whatever its ids: piece p takes
+    blocks p*blocks_per_piece.. into its buffer, block k of a piece at k*block_bytes and page
+    r of it at cell_offset[r] (the cell's own layout, so one DMA descriptor moves the block).
+    The staged backend keeps these per block count, so a job computes only what its ids
+    change."""
+
+    piece: Int64s
+    """Per block: its piece."""
+    block_offset: Int64s
+    """Per block: its offset in its piece's buffer."""
+    page_offset: Int64s
+    """(blocks, refs): each page's offset in its piece's buffer."""
+    sizes: Int64s
+    """(blocks x refs): the kernel table's size row."""
+    run_starts: Int64s
+    """Index of each piece's first block, and the block count at the end."""
+    copy_starts: Int64s
+    """Index of each piece's first page, and the page count at the end."""
+
+
+def uniform_pieces(layout: UniformLayout, count: int, blocks_per_piece: int) -> UniformPieces:
+    piece, slot = np.divmod(np.arange(count, dtype=np.int64), blocks_per_piece)
+    block_offset = slot * layout.block_bytes
+    run_starts = np.append(np.arange(0, count, blocks_per_piece, dtype=np.int64), count)
+    return UniformPieces(
+        piece=piece,
+        block_offset=block_offset,
+        page_offset=block_offset[:, None] + layout.cell_offset[None, :],
+        sizes=np.tile(layout.page, count),
+        run_starts=run_starts,
+        copy_starts=run_starts * layout.refs,
+    )
+
+
+@dataclass(frozen=True)
 class UniformTables:
     """What the staged backend issues for a uniform job: the kernel's (3, blocks x refs) copy
     table between the GPU pages and the pieces' buffers, the DMA's (3, blocks) run table
@@ -137,34 +177,32 @@ def uniform_tables(
     layout: UniformLayout,
     job: UniformJob,
     bases: Int64s,
-    blocks_per_piece: int,
+    pieces: UniformPieces,
     gpu_to_cpu: bool,
     kernel_out: Int64s | None = None,
 ) -> UniformTables:
-    """Piece p takes blocks p*blocks_per_piece.. into the buffer at bases[p]; block k of a
-    piece sits at k*block_bytes, page r of it at cell_offset[r] (the cell's own layout, so
-    one DMA descriptor moves the block). kernel_out: where to write the kernel table (e.g. a
-    pinned buffer), shape (3, blocks x refs)."""
+    """The job's tables, piece p's buffer at bases[p] (pieces: uniform_pieces for the job's
+    block count). kernel_out: where to write the kernel table (e.g. a pinned buffer), shape
+    (3, blocks x refs)."""
     count, refs = len(job.gpu_ids), layout.refs
-    position = np.arange(count, dtype=np.int64)
-    piece, slot = np.divmod(position, blocks_per_piece)
-    staged_block = bases[piece] + slot * layout.block_bytes  # (blocks,)
     kernel = np.empty((3, count * refs), dtype=np.int64) if kernel_out is None else kernel_out
     gpu_pages = kernel[0 if gpu_to_cpu else 1].reshape(count, refs)
     staged_pages = kernel[1 if gpu_to_cpu else 0].reshape(count, refs)
     np.multiply(job.gpu_ids[:, None], layout.gpu_stride[None, :], out=gpu_pages)
     gpu_pages += layout.gpu_base
-    np.add(staged_block[:, None], layout.cell_offset[None, :], out=staged_pages)
-    kernel[2].reshape(count, refs)[:] = layout.page
+    piece_base = bases[pieces.piece]
+    np.add(pieces.page_offset, piece_base[:, None], out=staged_pages)
+    kernel[2] = pieces.sizes
     runs = np.empty((3, count), dtype=np.int64)
-    cells = layout.cpu_base + job.cpu_ids * layout.cpu_stride
-    runs[0], runs[1] = (staged_block, cells) if gpu_to_cpu else (cells, staged_block)
+    staged, cells = (runs[0], runs[1]) if gpu_to_cpu else (runs[1], runs[0])
+    np.add(pieces.block_offset, piece_base, out=staged)
+    np.multiply(job.cpu_ids, layout.cpu_stride, out=cells)
+    cells += layout.cpu_base
     runs[2] = layout.block_bytes
-    run_starts = np.append(np.arange(0, count, blocks_per_piece, dtype=np.int64), count)
     return UniformTables(
         kernel=kernel,
         runs=runs,
-        copy_piece_starts=run_starts * refs,
-        run_piece_starts=run_starts,
-        largest_copy=int(layout.page.max()),
+        copy_piece_starts=pieces.copy_starts,
+        run_piece_starts=pieces.run_starts,
+        largest_copy=layout.largest_page,
     )

@@ -23,7 +23,15 @@ from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.staging import StagingPlan, plan_staging
-from kvshm.transfer.uniform import UniformJob, UniformLayout, uniform_tables
+from kvshm.transfer.uniform import (
+    UniformJob,
+    UniformLayout,
+    UniformPieces,
+    uniform_pieces,
+    uniform_tables,
+)
+
+PIECES_KEPT = 16
 
 
 @dataclass
@@ -60,6 +68,8 @@ class StagedBackend(CopyBackend):
         self._next = 0
         self._fill_stream: torch.cuda.Stream | None = None
         self._last: tuple[CopyBatch, StagingPlan] | None = None
+        self._pieces_layout: UniformLayout | None = None
+        self._pieces: dict[int, UniformPieces] = {}  # per job block count, at most PIECES_KEPT
 
     def allocate(self) -> None:
         """Reserve the buffers and the second stream (idempotent)."""
@@ -130,12 +140,11 @@ class StagedBackend(CopyBackend):
                 f"{self.buffer_bytes} bytes"
             )
         count = len(job.gpu_ids)
-        used = self._take_buffers(-(-count // blocks_per_piece))
+        pieces = self._pieces_for(layout, count, blocks_per_piece)
+        used = self._take_buffers(len(pieces.run_starts) - 1)
         bases = np.array([self._ring[b].memory.data_ptr() for b in used], dtype=np.int64)
         kernel_table = torch.empty((3, count * layout.refs), dtype=torch.int64, pin_memory=True)
-        tables = uniform_tables(
-            layout, job, bases, blocks_per_piece, self._gpu_to_cpu, kernel_table.numpy()
-        )
+        tables = uniform_tables(layout, job, bases, pieces, self._gpu_to_cpu, kernel_table.numpy())
         runs = CopyBatch(torch.from_numpy(tables.runs), tables.runs, job.total_bytes)
         self._issue(
             used,
@@ -148,6 +157,21 @@ class StagedBackend(CopyBackend):
             after,
         )
         return (kernel_table, runs)
+
+    def _pieces_for(
+        self, layout: UniformLayout, count: int, blocks_per_piece: int
+    ) -> UniformPieces:
+        """The job's piece cut, kept per block count: a handler's jobs come in a few sizes,
+        and computing the cut is half a small job's table work. Bounded: a run of jobs of
+        ever new sizes keeps the last PIECES_KEPT."""
+        if layout is not self._pieces_layout:
+            self._pieces_layout, self._pieces = layout, {}
+        pieces = self._pieces.get(count)
+        if pieces is None:
+            if len(self._pieces) >= PIECES_KEPT:
+                del self._pieces[next(iter(self._pieces))]  # the oldest
+            pieces = self._pieces[count] = uniform_pieces(layout, count, blocks_per_piece)
+        return pieces
 
     def _take_buffers(self, pieces: int) -> list[int]:
         """The ring's next `pieces` buffers, in order (a buffer may recur: its events order
