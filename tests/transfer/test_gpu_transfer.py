@@ -172,6 +172,12 @@ def test_jobs_finish_in_order_while_another_stream_computes(
     compute = torch.cuda.Stream()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     fresh = torch.randint(-128, 128, (8, block), dtype=torch.int8, device="cuda")
+    # a job under the default stream first: each job must follow the stream current at its
+    # own submission, not one the handler saw before
+    store = pair.gpu_to_cpu_handler
+    assert store.transfer_async(99, (GPULoadStoreSpec([9], [1], [0]), CPULoadStoreSpec([9])))
+    store.wait([99])
+    assert [r.job_id for r in store.get_finished()] == [99]
     with torch.cuda.stream(compute):
         for _ in range(100):  # about 0.1 s of matrix products
             torch.mm(a, a)
