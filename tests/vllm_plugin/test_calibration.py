@@ -105,25 +105,36 @@ def test_the_policy_pick_stays_unless_clearly_beaten() -> None:
     assert loads_only.choice() == {"load": "dma"}
 
 
-def test_a_tie_goes_to_the_backend_that_takes_the_fewest_sms() -> None:
-    """Within MARGIN the measurement cannot tell; the copy engines leave the engine's SMs
-    alone (docs/transfer.md F9), so DMA wins a tie over the policy's staging."""
-    tied = calibration.Measurement(
-        alone={"store": {"dma": 1.02, "staged": 1.0}, "load": {"dma": 1.0, "staged": 0.99}},
-        both={("dma", "dma"): 1.025, ("staged", "dma"): 1.01, ("staged", "staged"): 1.0},
+def test_a_tie_goes_to_the_backend_that_takes_the_least_of_the_engine() -> None:
+    """Within MARGIN the measurement cannot tell. The copy engines leave the engine's SMs alone
+    (docs/transfer.md F9), so DMA wins a tie over the copy kernel; but where staging is offered
+    DMA issues a descriptor per small page from the engine's thread (F25), which counts like
+    staging's SMs, and the policy's pick decides."""
+    kernel_tie = calibration.Measurement(
+        alone={"store": {"dma": 1.02, "kernel": 1.0}, "load": {"dma": 1.0, "kernel": 0.99}},
+        both={("dma", "dma"): 1.025, ("kernel", "dma"): 1.01, ("kernel", "kernel"): 1.0},
+        policy={"store": "kernel", "load": "kernel"},
+    )
+    assert kernel_tie.choice() == dict.fromkeys(CHOICES, "dma")
+    staging_tie = calibration.Measurement(
+        alone={"store": {"dma": 1.0, "staged": 1.02}, "load": {"dma": 0.99, "staged": 1.0}},
+        both={("dma", "dma"): 1.025, ("staged", "dma"): 1.0, ("staged", "staged"): 1.01},
         policy={"store": "staged", "load": "staged"},
     )
-    assert tied.choice() == dict.fromkeys(CHOICES, "dma")
+    assert staging_tie.choice() == dict.fromkeys(CHOICES, "staged")
+    # ...and where the policy would have DMA, DMA
+    policy_dma = dataclasses.replace(staging_tie, policy={"store": "dma", "load": "dma"})
+    assert policy_dma.choice() == dict.fromkeys(CHOICES, "dma")
     # outside the margin the faster wins, whatever it takes
     clear = dataclasses.replace(
-        tied,
+        staging_tie,
         alone={"store": {"dma": 1.05, "staged": 1.0}, "load": {"dma": 1.0, "kernel": 0.9}},
-        both={("dma", "dma"): 1.05, ("staged", "dma"): 1.02, ("staged", "staged"): 1.0},
+        both={("dma", "dma"): 0.9, ("staged", "dma"): 1.02, ("staged", "staged"): 1.0},
     )
     assert clear.choice() == {
         "store": "staged",
         "load": "kernel",
-        "store_beside": "staged",  # the pair with one DMA side, tied with the fastest
+        "store_beside": "dma",
         "load_beside": "dma",
     }
 
@@ -161,7 +172,7 @@ def test_the_cache_keeps_other_layouts_and_survives_a_broken_file(tmp_path: Path
     cache.put("host", "b", {"store": "staged", "load": "dma"})
     assert cache.get("host", "a") == {"store": "dma", "load": "kernel"}
     assert cache.get("other-host", "a") is None
-    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v4"
+    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v5"
 
 
 @pytest.mark.parametrize(

@@ -48,12 +48,19 @@ REPS = 3  # medians of this many rounds
 # each trial moves the scratch blocks this many times: runs of a few ms (one pass) put a
 # few % of fixed cost on every backend alike and hid a 6 % difference the link shows (H100)
 PASSES = 4
-CACHE_VERSION = 4  # choices of earlier rules (one way only, one pair, ties to the policy) expire
+CACHE_VERSION = 5  # choices of earlier rules (one way only, one pair, ties to the policy, ties
+# to DMA over staging) expire
 MARGIN = 0.03  # times within this of the fastest are a tie: runs of a few ms tell no finer
 # How much of the engine's compute each backend takes (docs/transfer.md F9: matrix products
 # beside DMA took 0.92-1.13x as long, beside staging 1.11-1.16x, beside the copy kernel
 # 1.25-1.61x); a tie goes to the backend that takes the least, the measurement not seeing it.
 SM_USE = {"dma": 0, "cpu": 0, "staged": 1, "kernel": 2}
+# ...and where staging is offered (pages small enough to stage), DMA issues one descriptor per
+# page from the engine's thread: Llama-3.1-8B's 16-block jobs, 1024 descriptors each, took
+# 440-510 us a job to issue, and a measured tie of staging beside DMA moved 63-75 GB/s both
+# ways at scale against 83-85 staged both ways (docs/transfer.md F25). That thread's time
+# counts like staging's SMs.
+DMA_BESIDE_STAGING_USE = SM_USE["staged"]
 
 HandlerFactory = Callable[
     [bool, str | None, Sequence[torch.Tensor]], SingleDirectionOffloadingHandler
@@ -304,8 +311,8 @@ class Measurement:
         fastest pair both ways at once): on some hosts the copy engines win one way while
         staging wins both ways, one thread issuing both directions' descriptors. Times within
         MARGIN of the fastest are a tie, which goes to the backend (or pair) that takes the
-        fewest of the engine's SMs (SM_USE), then to the per-block-size policy's pick, then to
-        the faster."""
+        least of the engine (its SMs, SM_USE; DMA of pages small enough to stage, its thread),
+        then to the per-block-size policy's pick, then to the faster."""
         choice = {
             name: _break_ties({(b,): t for b, t in times.items()}, (self.policy.get(name, ""),))[0]
             for name, times in self.alone.items()
@@ -326,12 +333,16 @@ Backends = TypeVar("Backends", bound=tuple[str, ...])  # one backend, or a store
 
 
 def _break_ties(times: Mapping[Backends, float], policy: Backends) -> Backends:
-    """The fastest backends, a tie (within MARGIN) going to the fewest SMs, then the policy."""
+    """The fastest backends, a tie (within MARGIN) going to what takes the least of the engine
+    (SM_USE; DMA where staging is offered counts like staging), then the policy."""
     fastest = min(times.values())
     tied = [key for key, seconds in times.items() if seconds <= fastest * (1 + MARGIN)]
+    use = dict(SM_USE)
+    if any("staged" in key for key in times):
+        use["dma"] = DMA_BESIDE_STAGING_USE
 
     def rank(key: Backends) -> tuple[int, bool, float]:
-        return sum(SM_USE.get(b, 2) for b in key), key != policy, times[key]
+        return sum(use.get(b, 2) for b in key), key != policy, times[key]
 
     return min(tied, key=rank)
 
