@@ -107,27 +107,33 @@ def test_the_policy_pick_stays_unless_clearly_beaten() -> None:
 
 def test_a_tie_goes_to_the_backend_that_takes_the_least_of_the_engine() -> None:
     """Within MARGIN the measurement cannot tell. The copy engines leave the engine's SMs alone
-    (docs/transfer.md F9), so DMA wins a tie over the copy kernel; but where staging is offered
-    DMA issues a descriptor per small page from the engine's thread (F25), which counts like
-    staging's SMs, and the policy's pick decides."""
-    kernel_tie = calibration.Measurement(
+    (docs/transfer.md F9), so DMA wins a tie; but both ways at once, where staging is offered,
+    DMA issues a descriptor per small page from the one thread that issues both directions
+    (F25), which counts like staging's SMs, and the policy's pick decides the pair."""
+    tied = calibration.Measurement(
+        alone={"store": {"dma": 1.02, "staged": 1.0}, "load": {"dma": 1.0, "staged": 0.99}},
+        both={("dma", "dma"): 1.025, ("staged", "dma"): 1.0, ("staged", "staged"): 1.01},
+        policy={"store": "staged", "load": "staged"},
+    )
+    assert tied.choice() == {
+        "store": "dma",
+        "load": "dma",
+        "store_beside": "staged",
+        "load_beside": "staged",
+    }
+    # ...a pair where the policy would have DMA: DMA
+    policy_dma = dataclasses.replace(tied, policy={"store": "dma", "load": "dma"})
+    assert policy_dma.choice() == dict.fromkeys(CHOICES, "dma")
+    # ...and without staging on offer, DMA's pair wins against the copy kernel's
+    kernel = calibration.Measurement(
         alone={"store": {"dma": 1.02, "kernel": 1.0}, "load": {"dma": 1.0, "kernel": 0.99}},
         both={("dma", "dma"): 1.025, ("kernel", "dma"): 1.01, ("kernel", "kernel"): 1.0},
         policy={"store": "kernel", "load": "kernel"},
     )
-    assert kernel_tie.choice() == dict.fromkeys(CHOICES, "dma")
-    staging_tie = calibration.Measurement(
-        alone={"store": {"dma": 1.0, "staged": 1.02}, "load": {"dma": 0.99, "staged": 1.0}},
-        both={("dma", "dma"): 1.025, ("staged", "dma"): 1.0, ("staged", "staged"): 1.01},
-        policy={"store": "staged", "load": "staged"},
-    )
-    assert staging_tie.choice() == dict.fromkeys(CHOICES, "staged")
-    # ...and where the policy would have DMA, DMA
-    policy_dma = dataclasses.replace(staging_tie, policy={"store": "dma", "load": "dma"})
-    assert policy_dma.choice() == dict.fromkeys(CHOICES, "dma")
+    assert kernel.choice() == dict.fromkeys(CHOICES, "dma")
     # outside the margin the faster wins, whatever it takes
     clear = dataclasses.replace(
-        staging_tie,
+        tied,
         alone={"store": {"dma": 1.05, "staged": 1.0}, "load": {"dma": 1.0, "kernel": 0.9}},
         both={("dma", "dma"): 0.9, ("staged", "dma"): 1.02, ("staged", "staged"): 1.0},
     )

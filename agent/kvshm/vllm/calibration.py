@@ -48,19 +48,20 @@ REPS = 3  # medians of this many rounds
 # each trial moves the scratch blocks this many times: runs of a few ms (one pass) put a
 # few % of fixed cost on every backend alike and hid a 6 % difference the link shows (H100)
 PASSES = 4
-CACHE_VERSION = 5  # choices of earlier rules (one way only, one pair, ties to the policy, ties
-# to DMA over staging) expire
+CACHE_VERSION = 5  # choices of earlier rules (one way only, one pair, ties to the policy, pair
+# ties to DMA over staging) expire
 MARGIN = 0.03  # times within this of the fastest are a tie: runs of a few ms tell no finer
 # How much of the engine's compute each backend takes (docs/transfer.md F9: matrix products
 # beside DMA took 0.92-1.13x as long, beside staging 1.11-1.16x, beside the copy kernel
 # 1.25-1.61x); a tie goes to the backend that takes the least, the measurement not seeing it.
 SM_USE = {"dma": 0, "cpu": 0, "staged": 1, "kernel": 2}
-# ...and where staging is offered (pages small enough to stage), DMA issues one descriptor per
-# page from the engine's thread: Llama-3.1-8B's 16-block jobs, 1024 descriptors each, took
-# 440-510 us a job to issue, and a measured tie of staging beside DMA moved 63-75 GB/s both
-# ways at scale against 83-85 staged both ways (docs/transfer.md F25). That thread's time
-# counts like staging's SMs.
-DMA_BESIDE_STAGING_USE = SM_USE["staged"]
+# Both ways at once, one thread issues both directions, and where staging is offered (pages
+# small enough to stage) DMA issues a descriptor per page: Llama-3.1-8B's 16-block jobs, 1024
+# descriptors each, took 440-510 us a job to issue, and a measured tie of staging beside DMA
+# moved 63-75 GB/s both ways at scale against 83-85 staged both ways (docs/transfer.md F25).
+# In a pair, that thread's time counts like staging's SMs. (One way the thread keeps ahead,
+# and DMA moves 64 KiB pages 2-3 GB/s faster than staging.)
+PAIR_DMA_USE_WHERE_STAGING = SM_USE["staged"]
 
 HandlerFactory = Callable[
     [bool, str | None, Sequence[torch.Tensor]], SingleDirectionOffloadingHandler
@@ -311,8 +312,8 @@ class Measurement:
         fastest pair both ways at once): on some hosts the copy engines win one way while
         staging wins both ways, one thread issuing both directions' descriptors. Times within
         MARGIN of the fastest are a tie, which goes to the backend (or pair) that takes the
-        least of the engine (its SMs, SM_USE; DMA of pages small enough to stage, its thread),
-        then to the per-block-size policy's pick, then to the faster."""
+        least of the engine (its SMs, SM_USE; in a pair, DMA of pages small enough to stage
+        takes the issuing thread), then to the per-block-size policy's pick, then the faster."""
         choice = {
             name: _break_ties({(b,): t for b, t in times.items()}, (self.policy.get(name, ""),))[0]
             for name, times in self.alone.items()
@@ -334,12 +335,12 @@ Backends = TypeVar("Backends", bound=tuple[str, ...])  # one backend, or a store
 
 def _break_ties(times: Mapping[Backends, float], policy: Backends) -> Backends:
     """The fastest backends, a tie (within MARGIN) going to what takes the least of the engine
-    (SM_USE; DMA where staging is offered counts like staging), then the policy."""
+    (SM_USE; in a pair where staging is offered, DMA counts like staging), then the policy."""
     fastest = min(times.values())
     tied = [key for key, seconds in times.items() if seconds <= fastest * (1 + MARGIN)]
     use = dict(SM_USE)
-    if any("staged" in key for key in times):
-        use["dma"] = DMA_BESIDE_STAGING_USE
+    if any(len(key) > 1 and "staged" in key for key in times):
+        use["dma"] = PAIR_DMA_USE_WHERE_STAGING
 
     def rank(key: Backends) -> tuple[int, bool, float]:
         return sum(use.get(b, 2) for b in key), key != policy, times[key]
