@@ -67,6 +67,7 @@ class StagedBackend(CopyBackend):
         self._ring: list[_Buffer] = []
         self._next = 0
         self._fill_stream: torch.cuda.Stream | None = None
+        self._out_stream: torch.cuda.Stream | None = None
         self._last: tuple[CopyBatch, StagingPlan] | None = None
         self._pieces_layout: UniformLayout | None = None
         self._pieces: dict[int, UniformPieces] = {}  # per job block count, at most PIECES_KEPT
@@ -76,6 +77,7 @@ class StagedBackend(CopyBackend):
         if self._ring:
             return
         self._fill_stream = torch.cuda.Stream(self._device)
+        self._out_stream = torch.cuda.Stream(self._device) if self._gpu_to_cpu else None
         self._after_done = torch.cuda.Event()
         self._ring = [
             _Buffer(
@@ -193,10 +195,14 @@ class StagedBackend(CopyBackend):
         stream: Stream,
         after: Stream | None,
     ) -> None:
-        # the filling stream gathers (GPU->CPU) or moves pieces in (CPU->GPU); the job's own
-        # stream drains them (moves out, or scatters) and so ends the job after its last piece
-        fill, drain = self._fill_stream, stream
-        assert fill is not None
+        # the filling stream gathers (GPU->CPU) or moves pieces in (CPU->GPU); the draining
+        # stream moves them out or scatters them. A load drains on the job's own stream, which
+        # so ends after its last piece; a store drains on a stream of its own, which the job's
+        # stream then waits for: on the job's stream each copy out would queue behind the
+        # timeline's events between jobs, as a load's copies in do not
+        fill = self._fill_stream
+        drain = self._out_stream if self._gpu_to_cpu else stream
+        assert fill is not None and drain is not None
         if self._gpu_to_cpu and after is not None:
             # one kept event: wait_stream would create one per job (6 us against 3)
             self._after_done.record(after)
@@ -217,6 +223,8 @@ class StagedBackend(CopyBackend):
             else:
                 self._kernel.launch(kernel_table, first, count, largest, drain.cuda_stream)
             buffer.free.record(drain)
+        if drain is not stream:
+            stream.wait_event(self._ring[used[-1]].free)
 
 
 def staged_tables(
