@@ -226,6 +226,35 @@ def test_wait_retires_the_jobs_ahead_of_the_one_it_waits_for(
     assert handler.get_finished() == []
 
 
+def test_a_wait_lets_another_handler_retire_what_it_finished_meanwhile(
+    pair: CpuGpuOffloadingHandlers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opened = threading.Event()
+    original = CpuMemmoveBackend.copy
+    gpu = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in pair.gpu_tensors]
+
+    def stores_wait_for_the_gate(
+        backend: CpuMemmoveBackend, batch: CopyBatch, stream: object, after: object = None
+    ) -> None:
+        if not any(low <= batch.dst[0] < high for low, high in gpu):
+            opened.wait(timeout=30)
+        original(backend, batch, stream)
+
+    monkeypatch.setattr(CpuMemmoveBackend, "copy", stores_wait_for_the_gate)
+    store, load = pair.gpu_to_cpu_handler, pair.cpu_to_gpu_handler
+    loads = sample("kvshm_transfer_jobs_total", "cpu_to_gpu")
+    store.transfer_async(1, one_block_spec(1, 1))
+    assert load.transfer_async(2, one_block_spec(2, 2)[::-1])
+    load.wait({2})  # done, not yet retired
+    threading.Timer(0.2, opened.set).start()
+    store.wait({1}, meanwhile=load.retire_finished)
+    assert opened.is_set()
+    # the load was retired while the store's wait blocked: counted, and reported once
+    assert sample("kvshm_transfer_jobs_total", "cpu_to_gpu") == loads + 1
+    assert [r.job_id for r in load.get_finished()] == [2]
+    assert [r.job_id for r in store.get_finished()] == [1]
+
+
 def test_shutdown_waits_for_all_jobs_then_refuses_new_ones(
     pair: CpuGpuOffloadingHandlers, region: SharedOffloadRegion, monkeypatch: pytest.MonkeyPatch
 ) -> None:

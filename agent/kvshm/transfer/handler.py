@@ -290,19 +290,29 @@ class SingleDirectionOffloadingHandler:
             self._traffic.finished(self.direction, len(jobs))
         return results
 
-    def wait(self, job_ids: Iterable[int]) -> None:
+    def wait(self, job_ids: Iterable[int], meanwhile: Callable[[], object] | None = None) -> None:
         """Block until the given jobs are done (ids not in flight are ignored). Jobs end in
         submission order, so this waits for the latest of them; the jobs ahead of it are
         retired as they end, their bookkeeping overlapping the copies still running rather
-        than following the wait in get_finished, which returns them."""
+        than following the wait in get_finished, which returns them. meanwhile, if given, is
+        called before each block (a worker retires its other handlers' finished jobs so)."""
         wanted = job_ids if isinstance(job_ids, (set, frozenset, dict)) else set(job_ids)
         target = next((job for job in reversed(self._jobs) if job.job_id in wanted), None)
         if target is None:
             return
-        while self._jobs[0] is not target and not target.ticket.done():
+        while not target.ticket.done():
+            if meanwhile is not None:
+                meanwhile()
+            if self._jobs[0] is target:
+                break
             self._jobs[0].ticket.synchronize()
             self._collect(self._ready, stop=target)
         target.ticket.synchronize()
+
+    def retire_finished(self) -> None:
+        """Retire the jobs that have ended, keeping their results for get_finished (what wait
+        does while it blocks)."""
+        self._collect(self._ready)
 
     def wait_all(self) -> None:
         """Block until every job in flight is done; their results stay for get_finished."""

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 
 import torch
 
@@ -232,9 +233,14 @@ class KvshmOffloadingWorker(OffloadingWorker):
         ]
 
     def wait(self, job_ids: set[int]) -> None:
+        """While one handler's wait blocks, the others' finished jobs are retired: both ways
+        at once, the loads' bookkeeping then overlaps the stores' copies instead of following
+        the wait in get_finished."""
         with self._lock:
-            for handler in self._handlers or []:
-                handler.wait(job_ids)
+            handlers = self._handlers or []
+            for handler in handlers:
+                others = [h for h in handlers if h is not handler]
+                handler.wait(job_ids, partial(_retire_finished, others))
 
     def shutdown(self) -> None:
         """Finish every job in flight, then release the region (the file stays). Idempotent."""
@@ -283,3 +289,8 @@ class KvshmOffloadingWorker(OffloadingWorker):
     @property
     def drained(self) -> Drain | None:
         return self._drain
+
+
+def _retire_finished(handlers: Iterable[SingleDirectionOffloadingHandler]) -> None:
+    for handler in handlers:
+        handler.retire_finished()
