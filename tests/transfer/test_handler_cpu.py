@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -152,9 +152,14 @@ def test_other_workers_cells_are_never_touched(tmp_path: object) -> None:
 
 
 class Gate:
-    """Holds every CPU copy until opened, so tests can look at jobs in flight."""
+    """Holds every CPU copy (or those `holds` picks) until opened, so tests can look at jobs
+    in flight."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        holds: Callable[[CopyBatch], bool] = lambda batch: True,
+    ) -> None:
         self.opened = threading.Event()
         self.started: list[int] = []
         original = CpuMemmoveBackend.copy
@@ -163,7 +168,8 @@ class Gate:
             backend: CpuMemmoveBackend, batch: CopyBatch, stream: object, after: object = None
         ) -> None:
             self.started.append(batch.count)
-            self.opened.wait(timeout=30)
+            if holds(batch):
+                self.opened.wait(timeout=30)
             original(backend, batch, stream)
 
         monkeypatch.setattr(CpuMemmoveBackend, "copy", gated)
@@ -229,26 +235,20 @@ def test_wait_retires_the_jobs_ahead_of_the_one_it_waits_for(
 def test_a_wait_lets_another_handler_retire_what_it_finished_meanwhile(
     pair: CpuGpuOffloadingHandlers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    opened = threading.Event()
-    original = CpuMemmoveBackend.copy
     gpu = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in pair.gpu_tensors]
 
-    def stores_wait_for_the_gate(
-        backend: CpuMemmoveBackend, batch: CopyBatch, stream: object, after: object = None
-    ) -> None:
-        if not any(low <= batch.dst[0] < high for low, high in gpu):
-            opened.wait(timeout=30)
-        original(backend, batch, stream)
+    def is_store(batch: CopyBatch) -> bool:
+        return not any(low <= batch.dst[0] < high for low, high in gpu)
 
-    monkeypatch.setattr(CpuMemmoveBackend, "copy", stores_wait_for_the_gate)
+    gate = Gate(monkeypatch, holds=is_store)
     store, load = pair.gpu_to_cpu_handler, pair.cpu_to_gpu_handler
     loads = sample("kvshm_transfer_jobs_total", "cpu_to_gpu")
     store.transfer_async(1, one_block_spec(1, 1))
     assert load.transfer_async(2, one_block_spec(2, 2)[::-1])
     load.wait({2})  # done, not yet retired
-    threading.Timer(0.2, opened.set).start()
+    threading.Timer(0.2, gate.opened.set).start()
     store.wait({1}, meanwhile=load.retire_finished)
-    assert opened.is_set()
+    assert gate.opened.is_set()
     # the load was retired while the store's wait blocked: counted, and reported once
     assert sample("kvshm_transfer_jobs_total", "cpu_to_gpu") == loads + 1
     assert [r.job_id for r in load.get_finished()] == [2]
