@@ -324,6 +324,43 @@ def test_many_layers_of_small_pages_are_staged_and_byte_exact(
     pair.shutdown()
 
 
+@pytest.mark.parametrize("regions", [(64, LAYERS * PAGE)], indirect=True)
+def test_staged_jobs_reuse_their_kernel_tables_once_retired_byte_exact(
+    regions: list[SharedOffloadRegion],
+) -> None:
+    """A uniform staged job borrows its pinned kernel table and shares its cut's DMA table
+    with every job of its size: a second round of stores, with other data and other rows,
+    reuses the first round's tables and still lands every byte where it belongs."""
+    region = regions[0]
+    gpu = random_block_data(64, PAGE, LAYERS)
+    refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
+    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs)
+    store = pair.gpu_to_cpu_handler
+    assert store._uniform is not None
+    tables = store._uniform[1]._tables
+    rng = np.random.default_rng(11)
+    lent = []
+    for round_ in range(2):
+        for tensor in gpu:
+            tensor.random_(-128, 128)
+        gpu_ids, cpu_ids = rng.permutation(64)[:32], rng.permutation(64)[:32]
+        quarters = np.array_split(np.arange(32), 4)
+        for job, q in enumerate(quarters):
+            spec = (GPULoadStoreSpec(gpu_ids[q], [len(q)], [0]), CPULoadStoreSpec(cpu_ids[q]))
+            assert store.backend_for(*spec) == "staged"
+            assert store.transfer_async(10 * round_ + job, spec)
+        lent.append({id(job.ticket.keep) for job in store._jobs})
+        store.wait([10 * round_ + 3])
+        assert all(r.success for r in store.get_finished())
+        assert tables.bytes_kept > 0  # given back as the jobs retired
+        rows = region_bytes(region)[cpu_ids, : LAYERS * PAGE].reshape(32, LAYERS, PAGE)
+        ids = torch.from_numpy(gpu_ids).cuda()
+        for t in range(LAYERS):
+            assert np.array_equal(rows[:, t], gpu[t][ids].cpu().numpy().view(np.uint8)), t
+    assert len(lent[0]) == 4 and lent[1] == lent[0]  # the same four tables, lent again
+    pair.shutdown()
+
+
 @pytest.mark.parametrize("regions", [(16, LAYERS * PAGE)], indirect=True)
 def test_staging_buffers_that_do_not_fit_the_gpu_leave_staging_out(
     regions: list[SharedOffloadRegion],

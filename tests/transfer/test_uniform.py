@@ -4,6 +4,7 @@ every byte where the general planner's direct copies would (memmove, no GPU)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, cast
 
 import numpy as np
@@ -13,9 +14,9 @@ import torch
 from kvshm.transfer import CanonicalKVCacheRef, CPULoadStoreSpec, GPULoadStoreSpec
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend
-from kvshm.transfer.backends.staged import PIECES_KEPT, StagedBackend
+from kvshm.transfer.backends.staged import CUTS_KEPT, StagedBackend, _Buffer
 from kvshm.transfer.pointers import RowGeometry
-from kvshm.transfer.uniform import UniformLayout, uniform_pieces, uniform_tables
+from kvshm.transfer.uniform import UniformLayout, uniform_cut, uniform_tables
 
 from .test_staging import CELL, PAGE, ROW, ROWS, TENSORS, apply, handlers  # noqa: F401
 
@@ -133,11 +134,17 @@ def test_uniform_tables_move_every_byte_the_general_planner_moves(
     piece_count = -(-20 // blocks_per_piece)
     buffers = [np.zeros(blocks_per_piece * CELL, dtype=np.uint8) for _ in range(piece_count)]
     bases = np.array([b.ctypes.data for b in buffers], dtype=np.int64)
-    pieces = uniform_pieces(layout, 20, blocks_per_piece)
-    tables = uniform_tables(layout, job, bases, pieces, gpu_to_cpu)
-    assert tables.runs.shape == (3, 20) and set(tables.runs[2].tolist()) == {CELL}
-    assert tables.run_piece_starts.tolist()[-1] == 20
-    assert tables.copy_piece_starts.tolist() == (tables.run_piece_starts * TENSORS).tolist()
+    cut = uniform_cut(layout, 20, bases, blocks_per_piece)
+    kernel, runs = uniform_tables(layout, job, cut, gpu_to_cpu)
+    assert runs.shape == (3, 20) and set(runs[2].tolist()) == {CELL}
+    assert cut.run_starts.tolist()[-1] == 20
+    assert cut.copy_starts.tolist() == (cut.run_starts * TENSORS).tolist()
+    # the same again into a wider (pooled) table and the cut's kept DMA table
+    wide, kept_runs = np.full((3, 20 * TENSORS + 7), -1, dtype=np.int64), cut.new_runs(gpu_to_cpu)
+    uniform_tables(layout, job, cut, gpu_to_cpu, wide[:, : 20 * TENSORS], kept_runs)
+    assert np.array_equal(wide[:, : 20 * TENSORS], kernel) and np.all(wide[:, 20 * TENSORS :] == -1)
+    assert np.array_equal(kept_runs, runs)
+    tables = SimpleNamespace(kernel=kernel, runs=runs)
     if gpu_to_cpu:  # gather into the buffers, then the cells out to the region
         apply(tables.kernel)
         apply(tables.runs)
@@ -148,25 +155,38 @@ def test_uniform_tables_move_every_byte_the_general_planner_moves(
         assert staged.equal(expected)
 
 
-def test_the_staged_backend_keeps_a_bounded_piece_cut_per_block_count() -> None:
+def test_the_staged_backend_keeps_a_bounded_cut_per_block_count_and_buffer() -> None:
     pages = [PAGE] * TENSORS
     layout = UniformLayout.of(gpu_views(pages), cpu_views(pages), 1, refs(pages))
     assert layout is not None
-    # the cut needs neither the GPU nor the copy backends
+    # the cut needs neither the GPU nor the copy backends: a ring of host buffers will do
     none = cast(Any, None)
     backend = StagedBackend(
-        torch.device("cpu"), True, cast(DmaBackend, none), cast(KernelBackend, none), 4 * CELL, 2
+        torch.device("cpu"), True, cast(DmaBackend, none), cast(KernelBackend, none), 4 * CELL, 3
     )
-    first = backend._pieces_for(layout, 10, 4)
-    assert (
-        first.run_starts.tolist() == [0, 4, 8, 10]
-        and first.piece.tolist() == [0] * 4 + [1] * 4 + [2] * 2
-    )
-    assert backend._pieces_for(layout, 10, 4) is first  # kept
-    for count in range(1, 2 * PIECES_KEPT):
-        backend._pieces_for(layout, count, 4)
-    assert len(backend._pieces) == PIECES_KEPT
-    assert backend._pieces_for(layout, 10, 4) is not first  # pushed out, computed again
+    backend._ring = [_Buffer(torch.empty(4 * CELL, dtype=torch.uint8), none, none) for _ in "abc"]
+    bases = [b.memory.data_ptr() for b in backend._ring]
+    first, runs = backend._cut_for(layout, 10, [1, 2, 0], 4)
+    assert first.run_starts.tolist() == [0, 4, 8, 10]
+    expected = [bases[b] + k * CELL for b in (1, 2, 0) for k in range(4)]
+    assert first.staged_cells.tolist() == expected[:10]
+    assert runs.total_bytes == 10 * CELL and runs.rows[2].tolist() == [CELL] * 10
+    assert backend._cut_for(layout, 10, [1, 2, 0], 4)[0] is first  # kept
+    assert backend._cut_for(layout, 10, [2, 0, 1], 4)[0] is not first  # other buffers
+    for count in range(1, 2 * CUTS_KEPT):
+        backend._cut_for(layout, count, [p % 3 for p in range(-(-count // 4))], 4)
+    assert len(backend._cuts) == CUTS_KEPT
+    assert backend._cut_for(layout, 10, [1, 2, 0], 4)[0] is not first  # pushed out, cut again
     other = UniformLayout.of(gpu_views(pages), cpu_views(pages, base=1 << 31), 1, refs(pages))
     assert other is not None
-    assert backend._pieces_for(other, 10, 4) is not backend._pieces_for(layout, 10, 4)
+    assert backend._cut_for(other, 10, [1, 2, 0], 4)[0] is not first
+
+
+def test_a_cut_refuses_too_few_buffers_and_a_job_of_another_size(layout: UniformLayout) -> None:
+    with pytest.raises(ValueError, match="take 3 buffers, 2 given"):
+        uniform_cut(layout, 10, np.array([0, 1 << 20], dtype=np.int64), 4)
+    cut = uniform_cut(layout, 4, np.array([0], dtype=np.int64), 4)
+    job = layout.job((GPULoadStoreSpec([1, 2], [2], [0]), CPULoadStoreSpec([3, 4])), True)
+    assert job is not None
+    with pytest.raises(ValueError, match="a job of 2 blocks given a cut of 4"):
+        uniform_tables(layout, job, cut, True)

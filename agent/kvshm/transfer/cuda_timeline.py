@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvshm.transfer.backends.base import Stream
+from kvshm.transfer.backends.base import Lease, Stream
 from kvshm.transfer.timeline import Ticket, Timeline, Work
 
 
@@ -111,6 +111,8 @@ class CudaTimeline(Timeline):
         assert isinstance(ticket, CudaTicket)
         if self._last_end is ticket.end:
             self._last_end = None  # done: nothing left to wait for
+        if isinstance(ticket.keep, Lease):
+            ticket.keep.release()
         ticket.keep = None
         if self._stream_per_job:
             self._streams.append(ticket.stream)

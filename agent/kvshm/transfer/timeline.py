@@ -13,11 +13,11 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from kvshm.transfer.backends.base import Stream
+from kvshm.transfer.backends.base import Lease, Stream
 
 Work = Callable[[Stream], object]
 """A job's copies: called once with the stream to issue them on; what it returns is kept
-alive until the job is released."""
+alive until the job is done, and released then if it is a Lease."""
 
 
 class Ticket(ABC):
@@ -86,7 +86,9 @@ class CpuTimeline(Timeline):
             started = time.perf_counter()
             try:
                 assert ticket.work is not None
-                ticket.work(None)
+                kept = ticket.work(None)
+                if isinstance(kept, Lease):  # the copies are done when work returns
+                    kept.release()
             except Exception as exc:  # reported as the job's failure, never lost
                 ticket.error = exc
             ticket.elapsed = time.perf_counter() - started

@@ -125,84 +125,84 @@ class UniformJob:
 
 
 @dataclass(frozen=True)
-class UniformPieces:
-    """How a uniform job of `count` blocks is cut into pieces, whatever its ids: piece p takes
-    blocks p*blocks_per_piece.. into its buffer, block k of a piece at k*block_bytes and page
-    r of it at cell_offset[r] (the cell's own layout, so one DMA descriptor moves the block).
-    The staged backend keeps these per block count, so a job computes only what its ids
-    change."""
+class UniformCut:
+    """What a uniform job of `count` blocks issues that its ids do not change, for the
+    buffers it goes through: piece p takes blocks run_starts[p].. into the buffer at bases[p],
+    block k of a piece at k*block_bytes and page r of it at cell_offset[r] (the cell's own
+    layout, so one DMA descriptor moves the block). The staged backend keeps these per block
+    count and buffers, so a job computes only its GPU pages' and its cells' addresses."""
 
-    piece: Int64s
-    """Per block: its piece."""
-    block_offset: Int64s
-    """Per block: its offset in its piece's buffer."""
-    page_offset: Int64s
-    """(blocks, refs): each page's offset in its piece's buffer."""
+    staged_pages: Int64s
+    """(blocks x refs): each page's address in the buffers (the kernel table's staged row)."""
     sizes: Int64s
     """(blocks x refs): the kernel table's size row."""
+    staged_cells: Int64s
+    """Per block: its address in the buffers (the DMA table's staged row)."""
+    block_bytes: int
     run_starts: Int64s
     """Index of each piece's first block, and the block count at the end."""
     copy_starts: Int64s
     """Index of each piece's first page, and the page count at the end."""
+    largest_copy: int
+
+    @property
+    def blocks(self) -> int:
+        return len(self.staged_cells)
+
+    def new_runs(self, gpu_to_cpu: bool) -> Int64s:
+        """A (3, blocks) DMA table with this cut's staged and size rows: uniform_tables
+        writes only its cells row, so one serves every job of the cut (the driver reads
+        descriptors during the call that issues them)."""
+        runs = np.empty((3, self.blocks), dtype=np.int64)
+        runs[0 if gpu_to_cpu else 1] = self.staged_cells
+        runs[2] = self.block_bytes
+        return runs
 
 
-def uniform_pieces(layout: UniformLayout, count: int, blocks_per_piece: int) -> UniformPieces:
+def uniform_cut(
+    layout: UniformLayout, count: int, bases: Int64s, blocks_per_piece: int
+) -> UniformCut:
+    """The cut of a `count`-block job whose pieces go to the buffers at `bases`."""
     piece, slot = np.divmod(np.arange(count, dtype=np.int64), blocks_per_piece)
-    block_offset = slot * layout.block_bytes
+    if len(bases) <= piece[-1]:
+        raise ValueError(f"{count} blocks take {piece[-1] + 1} buffers, {len(bases)} given")
+    staged_cells = bases[piece] + slot * layout.block_bytes
     run_starts = np.append(np.arange(0, count, blocks_per_piece, dtype=np.int64), count)
-    return UniformPieces(
-        piece=piece,
-        block_offset=block_offset,
-        page_offset=block_offset[:, None] + layout.cell_offset[None, :],
+    return UniformCut(
+        staged_pages=(staged_cells[:, None] + layout.cell_offset[None, :]).ravel(),
         sizes=np.tile(layout.page, count),
+        staged_cells=staged_cells,
+        block_bytes=layout.block_bytes,
         run_starts=run_starts,
         copy_starts=run_starts * layout.refs,
+        largest_copy=layout.largest_page,
     )
-
-
-@dataclass(frozen=True)
-class UniformTables:
-    """What the staged backend issues for a uniform job: the kernel's (3, blocks x refs) copy
-    table between the GPU pages and the pieces' buffers, the DMA's (3, blocks) run table
-    between the buffers and the cells, and where each piece starts in both."""
-
-    kernel: Int64s
-    runs: Int64s
-    copy_piece_starts: Int64s
-    run_piece_starts: Int64s
-    largest_copy: int
 
 
 def uniform_tables(
     layout: UniformLayout,
     job: UniformJob,
-    bases: Int64s,
-    pieces: UniformPieces,
+    cut: UniformCut,
     gpu_to_cpu: bool,
     kernel_out: Int64s | None = None,
-) -> UniformTables:
-    """The job's tables, piece p's buffer at bases[p] (pieces: uniform_pieces for the job's
-    block count). kernel_out: where to write the kernel table (e.g. a pinned buffer), shape
-    (3, blocks x refs)."""
-    count, refs = len(job.gpu_ids), layout.refs
+    runs_out: Int64s | None = None,
+) -> tuple[Int64s, Int64s]:
+    """The job's kernel table, (3, blocks x refs) copies between the GPU pages and the
+    buffers, and DMA table, (3, blocks) runs between the buffers and the cells (cut: its
+    uniform_cut). kernel_out: where to write the kernel table (e.g. a pinned buffer);
+    runs_out: a table from cut.new_runs, whose cells row is rewritten."""
+    count, refs = cut.blocks, layout.refs
+    if len(job.gpu_ids) != count:
+        raise ValueError(f"a job of {len(job.gpu_ids)} blocks given a cut of {count}")
     kernel = np.empty((3, count * refs), dtype=np.int64) if kernel_out is None else kernel_out
-    gpu_pages = kernel[0 if gpu_to_cpu else 1].reshape(count, refs)
-    staged_pages = kernel[1 if gpu_to_cpu else 0].reshape(count, refs)
+    gpu_row, staged_row = (0, 1) if gpu_to_cpu else (1, 0)
+    gpu_pages = kernel[gpu_row].reshape(count, refs)
     np.multiply(job.gpu_ids[:, None], layout.gpu_stride[None, :], out=gpu_pages)
     gpu_pages += layout.gpu_base
-    piece_base = bases[pieces.piece]
-    np.add(pieces.page_offset, piece_base[:, None], out=staged_pages)
-    kernel[2] = pieces.sizes
-    runs = np.empty((3, count), dtype=np.int64)
-    staged, cells = (runs[0], runs[1]) if gpu_to_cpu else (runs[1], runs[0])
-    np.add(pieces.block_offset, piece_base, out=staged)
+    kernel[staged_row] = cut.staged_pages
+    kernel[2] = cut.sizes
+    runs = cut.new_runs(gpu_to_cpu) if runs_out is None else runs_out
+    cells = runs[1 if gpu_to_cpu else 0]
     np.multiply(job.cpu_ids, layout.cpu_stride, out=cells)
     cells += layout.cpu_base
-    runs[2] = layout.block_bytes
-    return UniformTables(
-        kernel=kernel,
-        runs=runs,
-        copy_piece_starts=pieces.copy_starts,
-        run_piece_starts=pieces.run_starts,
-        largest_copy=layout.largest_page,
-    )
+    return kernel, runs

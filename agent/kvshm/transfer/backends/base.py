@@ -15,12 +15,22 @@ class CopyBackend(ABC):
     """Issues a batch of (source, destination, size) copies on a stream.
 
     copy() may return an object that must stay alive until the copies are done (a device
-    copy of the descriptors, say); the caller keeps it until then. `after` is the stream
-    whose queued work GPU->CPU copies must follow: `stream` already waits for it, so only a
-    backend that issues on other streams too needs it.
+    copy of the descriptors, say); the caller keeps it until then, and releases it then if it
+    is a Lease. `after` is the stream whose queued work GPU->CPU copies must follow: `stream`
+    already waits for it, so only a backend that issues on other streams too needs it.
     """
 
     name: ClassVar[str]
 
     @abstractmethod
     def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> object: ...
+
+
+class Lease(ABC):
+    """Something a job holds until its copies are done, then gives back for reuse."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def release(self) -> None:
+        """Called once, after the job's copies are done."""

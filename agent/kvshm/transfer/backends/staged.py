@@ -22,16 +22,17 @@ from kvshm.transfer.backends.base import CopyBackend, Stream
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend
 from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.pinned import PinnedTables
 from kvshm.transfer.staging import StagingPlan, plan_staging
 from kvshm.transfer.uniform import (
+    UniformCut,
     UniformJob,
     UniformLayout,
-    UniformPieces,
-    uniform_pieces,
+    uniform_cut,
     uniform_tables,
 )
 
-PIECES_KEPT = 16
+CUTS_KEPT = 16
 
 
 @dataclass
@@ -68,9 +69,12 @@ class StagedBackend(CopyBackend):
         self._next = 0
         self._fill_stream: torch.cuda.Stream | None = None
         self._out_stream: torch.cuda.Stream | None = None
+        self._after_done: torch.cuda.Event | None = None
         self._last: tuple[CopyBatch, StagingPlan] | None = None
-        self._pieces_layout: UniformLayout | None = None
-        self._pieces: dict[int, UniformPieces] = {}  # per job block count, at most PIECES_KEPT
+        # per (block count, first buffer), at most CUTS_KEPT: the cut and its DMA table
+        self._cuts_layout: UniformLayout | None = None
+        self._cuts: dict[tuple[int, int], tuple[UniformCut, CopyBatch]] = {}
+        self._tables = PinnedTables(pinned=device.type == "cuda")
 
     def allocate(self) -> None:
         """Reserve the buffers and the second stream (idempotent)."""
@@ -143,38 +147,46 @@ class StagedBackend(CopyBackend):
                 f"{self.buffer_bytes} bytes"
             )
         count = len(job.gpu_ids)
-        pieces = self._pieces_for(layout, count, blocks_per_piece)
-        used = self._take_buffers(len(pieces.run_starts) - 1)
-        bases = np.array([self._ring[b].memory.data_ptr() for b in used], dtype=np.int64)
-        kernel_table = torch.empty((3, count * layout.refs), dtype=torch.int64, pin_memory=True)
-        tables = uniform_tables(layout, job, bases, pieces, self._gpu_to_cpu, kernel_table.numpy())
-        runs = CopyBatch(torch.from_numpy(tables.runs), tables.runs, job.total_bytes)
+        used = self._take_buffers(-(-count // blocks_per_piece))
+        cut, runs = self._cut_for(layout, count, used, blocks_per_piece)
+        table = self._tables.take(count * layout.refs)
+        uniform_tables(
+            layout, job, cut, self._gpu_to_cpu, table.rows[:, : count * layout.refs], runs.rows
+        )
         self._issue(
             used,
-            kernel_table,
+            table.tensor,
             runs,
-            tables.copy_piece_starts,
-            tables.run_piece_starts,
-            tables.largest_copy,
+            cut.copy_starts,
+            cut.run_starts,
+            cut.largest_copy,
             stream,
             after,
         )
-        return (kernel_table, runs)
+        return table  # lent until the job is done: the kernel reads it meanwhile
 
-    def _pieces_for(
-        self, layout: UniformLayout, count: int, blocks_per_piece: int
-    ) -> UniformPieces:
-        """The job's piece cut, kept per block count: a handler's jobs come in a few sizes,
-        and computing the cut is half a small job's table work. Bounded: a run of jobs of
-        ever new sizes keeps the last PIECES_KEPT."""
-        if layout is not self._pieces_layout:
-            self._pieces_layout, self._pieces = layout, {}
-        pieces = self._pieces.get(count)
-        if pieces is None:
-            if len(self._pieces) >= PIECES_KEPT:
-                del self._pieces[next(iter(self._pieces))]  # the oldest
-            pieces = self._pieces[count] = uniform_pieces(layout, count, blocks_per_piece)
-        return pieces
+    def _cut_for(
+        self, layout: UniformLayout, count: int, used: list[int], blocks_per_piece: int
+    ) -> tuple[UniformCut, CopyBatch]:
+        """The cut of a job of `count` blocks through the buffers `used`, and its DMA table,
+        kept: a handler's jobs come in a few sizes and the ring has a few buffers, and the
+        cut is most of a small job's table work. Bounded: a run of jobs of ever new sizes
+        keeps the last CUTS_KEPT."""
+        if layout is not self._cuts_layout:
+            self._cuts_layout, self._cuts = layout, {}
+        key = (count, used[0])
+        kept = self._cuts.get(key)
+        if kept is None:
+            if len(self._cuts) >= CUTS_KEPT:
+                del self._cuts[next(iter(self._cuts))]  # the oldest
+            bases = np.array([self._ring[b].memory.data_ptr() for b in used], dtype=np.int64)
+            cut = uniform_cut(layout, count, bases, blocks_per_piece)
+            runs = cut.new_runs(self._gpu_to_cpu)
+            kept = self._cuts[key] = (
+                cut,
+                CopyBatch(torch.from_numpy(runs), runs, count * layout.block_bytes),
+            )
+        return kept
 
     def _take_buffers(self, pieces: int) -> list[int]:
         """The ring's next `pieces` buffers, in order (a buffer may recur: its events order
@@ -204,6 +216,7 @@ class StagedBackend(CopyBackend):
         drain = self._out_stream if self._gpu_to_cpu else stream
         assert fill is not None and drain is not None
         if self._gpu_to_cpu and after is not None:
+            assert self._after_done is not None
             # one kept event: wait_stream would create one per job (6 us against 3)
             self._after_done.record(after)
             fill.wait_event(self._after_done)
