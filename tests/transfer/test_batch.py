@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
+import pytest
 
 from kvshm.transfer.batch import CopyBatch
 
@@ -36,3 +39,15 @@ def test_columns_share_memory_and_count_their_bytes() -> None:
     assert batch.rows[0, 1] == 99
     assert middle.rows[1].ctypes.data == batch.rows[1].ctypes.data + 8  # rows stay contiguous
     assert np.shares_memory(middle.table.numpy(), batch.table.numpy())
+
+
+def test_a_batch_tells_where_its_rows_start_for_the_driver() -> None:
+    batch = CopyBatch.allocate(6)
+    batch.rows[:] = np.arange(18, dtype=np.int64).reshape(3, 6)
+    for part in (batch, batch.columns(2, 5)):
+        for row, address in enumerate(part.addresses):
+            read = (ctypes.c_int64 * part.count).from_address(address)
+            assert list(read) == part.rows[row].tolist()
+    transposed = CopyBatch(batch.table, np.asfortranarray(batch.rows), 0)
+    with pytest.raises(ValueError, match="rows must each be contiguous"):
+        _ = transposed.addresses

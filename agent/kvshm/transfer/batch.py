@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +45,16 @@ class CopyBatch:
             return self
         table = torch.from_numpy(np.ascontiguousarray(self.rows[:, order]))
         return CopyBatch(table, table.numpy(), self.total_bytes)
+
+    @cached_property
+    def addresses(self) -> tuple[int, int, int]:
+        """Where the source, destination and size rows start in memory (for the driver),
+        worked out once per batch: numpy's ctypes pointer costs ~1 us a read."""
+        rows = self.rows
+        if rows.strides[1] != rows.itemsize:
+            raise ValueError("a batch's rows must each be contiguous")
+        base, step = int(rows.ctypes.data), int(rows.strides[0])
+        return base, base + step, base + 2 * step
 
     @property
     def count(self) -> int:

@@ -62,8 +62,7 @@ class DmaBackend(CopyBackend):
 
     def _copy_batched(self, batch: CopyBatch, stream: int) -> bool:
         """Issue the batch in chunks; False if the driver refused the very first call."""
-        rows = batch.rows
-        src, dst, sizes = rows[0].ctypes.data, rows[1].ctypes.data, rows[2].ctypes.data
+        src, dst, sizes = batch.addresses
         for start in range(0, batch.count, self._per_call):
             count = min(self._per_call, batch.count - start)
             offset = start * _WORD
