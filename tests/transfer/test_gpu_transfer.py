@@ -270,6 +270,34 @@ def test_copy_kernel_launches_directly_or_through_triton_byte_exact(
     pair.shutdown()
 
 
+def test_a_hook_on_tritons_launches_sees_the_copy_kernel() -> None:
+    """Launched directly, the kernel skips Triton's per-launch hook calls; once a profiler
+    hooks Triton's launches, they go through Triton's own path, which calls it."""
+    from triton import knobs
+
+    backend = KernelBackend(torch.device("cuda", 0))
+    assert backend._handles is not None and not backend._hooks_listening()
+    data = torch.arange(64, dtype=torch.uint8, device="cuda")
+    at = data.data_ptr()
+    seen: list[object] = []
+
+    def hook(metadata: object) -> None:
+        seen.append(metadata)
+
+    for hooked, (src, dst) in ((False, (0, 32)), (True, (16, 48))):
+        if hooked:
+            knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            assert backend._hooks_listening() == hooked
+            table = torch.tensor([[at + src], [at + dst], [16]], dtype=torch.int64).pin_memory()
+            backend.launch(table, 0, 1, 16)
+            torch.cuda.synchronize()
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        assert torch.equal(data[dst : dst + 16], data[src : src + 16])
+        assert len(seen) == int(hooked)
+
+
 LAYERS = 32
 PAGE = 16 * KIB
 
