@@ -5,12 +5,16 @@ memmove; a GPU machine measures dma, kernel and staged (tests/vllm_plugin/test_p
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+import torch
 
+from kvshm.transfer import TransferResult
 from kvshm.vllm import calibration
 from kvshm.vllm.calibration import CHOICES, ChoiceCache, host_key, layout_key
 from tests.vllm_plugin.checks import finish
@@ -107,23 +111,19 @@ def test_the_policy_pick_stays_unless_clearly_beaten() -> None:
 
 def test_a_tie_goes_to_the_backend_that_takes_the_least_of_the_engine() -> None:
     """Within MARGIN the measurement cannot tell. The copy engines leave the engine's SMs alone
-    (docs/transfer.md F9), so DMA wins a tie; but both ways at once, where staging is offered,
-    DMA issues a descriptor per small page from the one thread that issues both directions
-    (F25), which counts like staging's SMs, and the policy's pick decides the pair."""
+    (docs/transfer.md F9), so DMA wins a tie, one way and both ways; what DMA's issuing takes
+    of the engine's thread is in the judged times themselves."""
     tied = calibration.Measurement(
         alone={"store": {"dma": 1.02, "staged": 1.0}, "load": {"dma": 1.0, "staged": 0.99}},
         both={("dma", "dma"): 1.025, ("staged", "dma"): 1.0, ("staged", "staged"): 1.01},
         policy={"store": "staged", "load": "staged"},
     )
-    assert tied.choice() == {
-        "store": "dma",
-        "load": "dma",
-        "store_beside": "staged",
-        "load_beside": "staged",
-    }
-    # ...a pair where the policy would have DMA: DMA
-    policy_dma = dataclasses.replace(tied, policy={"store": "dma", "load": "dma"})
-    assert policy_dma.choice() == dict.fromkeys(CHOICES, "dma")
+    assert tied.choice() == dict.fromkeys(CHOICES, "dma")
+    # ...between backends that take the SMs alike, the policy's pick
+    staged_pairs = dataclasses.replace(
+        tied, both={("staged", "staged"): 1.01, ("kernel", "kernel"): 1.0}
+    )
+    assert staged_pairs.choice()["store_beside"] == "staged"
     # ...and without staging on offer, DMA's pair wins against the copy kernel's
     kernel = calibration.Measurement(
         alone={"store": {"dma": 1.02, "kernel": 1.0}, "load": {"dma": 1.0, "kernel": 0.99}},
@@ -143,6 +143,42 @@ def test_a_tie_goes_to_the_backend_that_takes_the_least_of_the_engine() -> None:
         "store_beside": "dma",
         "load_beside": "dma",
     }
+
+
+class SlowToIssue:
+    """A handler whose transfer_async takes `issue` seconds and whose jobs are done at once."""
+
+    def __init__(self, issue: float) -> None:
+        self.issue = issue
+        self.done: list[TransferResult] = []
+
+    def transfer_async(self, job_id: int, *specs: object) -> bool:
+        time.sleep(self.issue)
+        self.done.append(TransferResult(job_id, True, 1, 0.0))
+        return True
+
+    def wait(self, job_ids: object) -> None:
+        pass
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self.done = self.done, []
+        return done
+
+
+def test_a_trial_is_judged_with_the_issuing_thread_at_half_its_speed() -> None:
+    """A backend whose issuing only just keeps ahead of its copies is CPU-bound whenever the
+    host's CPU slows (docs/transfer.md F25, F29): its trial counts SLOW_CPU times its
+    submitting where that exceeds the wall time."""
+    assert calibration.SLOW_CPU == 2.0
+    assert calibration.judged_seconds(1.0, 0.3) == 1.0  # the copies bound it: as measured
+    assert calibration.judged_seconds(1.0, 0.8) == 1.6
+    handler = cast(Any, SlowToIssue(0.002))
+    specs = cast(Any, [(None, None)] * 3)
+    submitting = calibration._run(handler, None, specs, [], itertools.count())
+    assert submitting is not None
+    assert 3 * 0.002 * calibration.PASSES <= submitting < 10 * 3 * 0.002 * calibration.PASSES
+    seconds = calibration._seconds(handler, None, specs, [], itertools.count(), torch.device("cpu"))
+    assert seconds >= calibration.SLOW_CPU * 3 * 0.002 * calibration.PASSES
 
 
 def test_a_failed_job_is_never_chosen() -> None:
@@ -178,7 +214,7 @@ def test_the_cache_keeps_other_layouts_and_survives_a_broken_file(tmp_path: Path
     cache.put("host", "b", {"store": "staged", "load": "dma"})
     assert cache.get("host", "a") == {"store": "dma", "load": "kernel"}
     assert cache.get("other-host", "a") is None
-    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v5"
+    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v6"
 
 
 @pytest.mark.parametrize(
