@@ -37,25 +37,7 @@ class CudaTicket(Ticket):
         return float(self.start.elapsed_time(self.end)) / 1000.0
 
 
-class CurrentStream:
-    """The caller's current stream on a device. torch.cuda.current_stream builds a new Stream
-    object per call (5 us on an H100 host, each job); the raw handle costs 0.15 us and names
-    the same stream, so one object is kept per handle (a process uses a few streams)."""
-
-    KEPT = 64
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self._index = device.index if device.index is not None else torch.cuda.current_device()
-        self._known: dict[int, torch.cuda.Stream] = {}
-
-    def __call__(self) -> torch.cuda.Stream:
-        stream = self._known.get(torch._C._cuda_getCurrentRawStream(self._index))
-        if stream is None:
-            stream = torch.cuda.current_stream(self._device)
-            if len(self._known) < self.KEPT:
-                self._known[stream.cuda_stream] = stream
-        return stream
+CALLERS_KEPT = 64
 
 
 class CudaTimeline(Timeline):
@@ -71,6 +53,18 @@ class CudaTimeline(Timeline):
         # marks the caller's compute for the next job to wait on; one event serves every job,
         # since a wait takes the event's state when it is issued
         self._compute_done = torch.cuda.Event()
+        self._callers: dict[int, torch.cuda.Stream] = {}  # per raw handle, at most CALLERS_KEPT
+
+    def caller_stream(self) -> torch.cuda.Stream:
+        # torch.cuda.current_stream builds a new Stream object per call (5 us on an H100 host,
+        # each job); the raw handle costs 0.15 us and names the same stream, so one object is
+        # kept per handle (a process uses a few streams)
+        stream = self._callers.get(torch._C._cuda_getCurrentRawStream(self._index))
+        if stream is None:
+            stream = torch.cuda.current_stream(self._device)
+            if len(self._callers) < CALLERS_KEPT:
+                self._callers[stream.cuda_stream] = stream
+        return stream
 
     def _event(self) -> torch.cuda.Event:
         return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)

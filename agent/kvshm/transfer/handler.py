@@ -74,15 +74,13 @@ def _why_not_staged(
     return None
 
 
-def _timeline_for(
-    device: torch.device, options: TransferOptions
-) -> tuple[Timeline, Callable[[], Stream] | None]:
-    """Where the jobs run, and what gives the caller's current stream (None on the CPU)."""
+def _timeline_for(device: torch.device, options: TransferOptions) -> Timeline:
+    """Where the jobs run: the caller's thread on CUDA streams, or a thread of the CPU's."""
     if device.type == "cpu":
-        return CpuTimeline(), None
-    from kvshm.transfer.cuda_timeline import CudaTimeline, CurrentStream
+        return CpuTimeline()
+    from kvshm.transfer.cuda_timeline import CudaTimeline
 
-    return CudaTimeline(device, options.stream_per_job), CurrentStream(device)
+    return CudaTimeline(device, options.stream_per_job)
 
 
 class SingleDirectionOffloadingHandler:
@@ -176,7 +174,7 @@ class SingleDirectionOffloadingHandler:
             self._uniform_picks = {"staged"}
             if self._chooser.staged_for_uniform(layout) is not None:
                 self._uniform_picks.add(None)
-        self._timeline, self._current_stream = _timeline_for(pairs.device, options)
+        self._timeline = _timeline_for(pairs.device, options)
         self._metrics = TransferMetrics(self.direction)
         self._jobs: deque[_Job] = deque()
         self._pending: dict[int, _Job] = {}
@@ -205,7 +203,7 @@ class SingleDirectionOffloadingHandler:
         # a store must follow the compute that wrote its blocks; a load must follow writes
         # queued to its destination blocks (vLLM 0.33 zeroes freshly allocated blocks on the
         # compute stream, and with async scheduling nothing else orders that before the load)
-        after = self._current_stream() if self._current_stream is not None else None
+        after = self._timeline.caller_stream()
         named = self._backend_name()
         uniform = self._uniform_job(named, spec)
         work: Callable[[Stream], object]

@@ -44,6 +44,11 @@ class Timeline(ABC):
         stream as `after`, after the work already queued on it."""
 
     @abstractmethod
+    def caller_stream(self) -> Stream | None:
+        """The caller's current stream, for a job to follow the work queued on it (None where
+        there is no such thing)."""
+
+    @abstractmethod
     def release(self, ticket: Ticket) -> None:
         """Give a done ticket's resources back for reuse."""
 
@@ -94,6 +99,9 @@ class CpuTimeline(Timeline):
             ticket.elapsed = time.perf_counter() - started
             ticket.work = None
             ticket.finished.set()
+
+    def caller_stream(self) -> None:
+        return None
 
     def release(self, ticket: Ticket) -> None:
         pass
