@@ -16,6 +16,17 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+def python_loop_ms() -> float:
+    """Milliseconds a fixed pure-Python loop takes: how fast this process's CPU is now. On the
+    lent H100 hosts it reads ~10 on a core of its own and up to ~20 when a neighbour shares the
+    core (docs/transfer.md F29); submitting jobs slows alike."""
+    started = time.perf_counter()
+    total = 0
+    for i in range(200_000):
+        total += i * i
+    return (time.perf_counter() - started) * 1e3
+
+
 def median_seconds(run: Callable[[], float], reps: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         run()

@@ -3,6 +3,7 @@ on both sides, issued through a worker's vLLM 0.33 contract."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +30,11 @@ def job_specs(gpu_ids: np.ndarray, cpu_ids: np.ndarray, per_job: int) -> list[tu
 _job_ids: Iterator[int] = iter(range(1, 1 << 62))
 
 
-def issue_and_wait(worker: Any, stores: list[Any], loads: list[Any]) -> None:
-    """Submit the stores and loads (interleaved) and wait until get_finished reported all."""
+def issue_and_wait(worker: Any, stores: list[Any], loads: list[Any]) -> float:
+    """Submit the stores and loads (interleaved) and wait until get_finished reported all;
+    return the seconds spent submitting."""
     ids: set[int] = set()
+    started = time.perf_counter()
     for i in range(max(len(stores), len(loads))):
         if i < len(stores):
             ids.add(job_id := next(_job_ids))
@@ -40,11 +43,13 @@ def issue_and_wait(worker: Any, stores: list[Any], loads: list[Any]) -> None:
             ids.add(job_id := next(_job_ids))
             gpu, cpu = loads[i]
             assert worker.submit_load(job_id, cpu, gpu)
+    submitting = time.perf_counter() - started
     worker.wait(ids)
     while ids:
         for result in worker.get_finished():
             assert result.success, f"job {result.job_id} failed"
             ids.discard(result.job_id)
+    return submitting
 
 
 @dataclass
