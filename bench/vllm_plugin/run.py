@@ -3,7 +3,8 @@ KV layouts vLLM 0.33 builds for real models (issue 14):
   Llama-3.1-8B TP1 (32 layers, 32 KiB K/V pages), Qwen2.5-7B TP1 (28 layers, 16 KiB),
   Llama-3.1-70B TP4 rank 0 (80 layers, 8 KiB; a 4-worker region), and 2 MiB blocks.
 For each: H2D (loads), D2H (stores) and both at once, jobs of --job-blocks blocks with random
-block ids on both sides, every GPU block once per pass (about --gib GiB per direction):
+block ids on both sides, every GPU block once per pass (about --gib GiB per direction), the
+median of three rounds over the directions, each the median of --reps passes:
   (a) the link: one way the best of one 1 GiB pinned copy and 8 MiB pieces in a row; both ways
       the best of a pair of 1 GiB copies and 8 / 32 MiB pieces interleaved on two streams;
   (b) vLLM 0.33's own CPUOffloadingWorker from the installed wheel (its handlers, its Triton
@@ -142,29 +143,44 @@ def build_plugin(kv: Any, chunks: int, cell: int, workers: int) -> Built:
     return Built(worker, seconds, close, {})
 
 
+ROUNDS = 3
+"""Rounds over the directions per worker; each figure is the median of its rounds' medians.
+A lent host's link dips for seconds at a time (one of seven passes at 44 GB/s where the rest
+moved 52.7, docs/transfer.md F31): spread over the run, a dip lands on one round."""
+
+
 def measure(built: Built, jobs: Plan, compute: Compute, reps: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    runs: dict[str, Any] = {}
+    rounds: dict[str, list[float]] = {d: [] for d in DIRECTIONS}
+    submitting: dict[str, list[float]] = {d: [] for d in DIRECTIONS}
     for direction in DIRECTIONS:
         stores, loads = jobs.jobs[direction]
-        submitting: list[float] = []
 
         def run(
-            stores: list[Any] = stores, loads: list[Any] = loads, into: list[float] = submitting
+            stores: list[Any] = stores,
+            loads: list[Any] = loads,
+            into: list[float] = submitting[direction],
         ) -> None:
             into.append(issue_and_wait(built.worker, stores, loads))
 
-        nbytes = jobs.nbytes[direction]
+        runs[direction] = run
         wall(run)  # warm-up
-        submitting.clear()
-        seconds = statistics.median(wall(run) for _ in range(reps))
-        rate_beside, slowed = beside_compute(compute, nbytes, run, reps)
+        submitting[direction].clear()
+    for _ in range(ROUNDS):
+        for direction in DIRECTIONS:
+            seconds = statistics.median(wall(runs[direction]) for _ in range(reps))
+            rounds[direction].append(gbps(jobs.nbytes[direction], seconds))
+    out: dict[str, Any] = {}
+    for direction in DIRECTIONS:
+        stores, loads = jobs.jobs[direction]
+        submit = statistics.median(submitting[direction]) / (len(stores) + len(loads))
+        rate_beside, slowed = beside_compute(compute, jobs.nbytes[direction], runs[direction], reps)
         out[direction] = {
-            "GBps": gbps(nbytes, seconds),
+            "GBps": statistics.median(rounds[direction]),
+            "GBps_rounds": rounds[direction],
             "GBps_beside": rate_beside,
             "matmul_slowdown": slowed,
-            "submit_us_per_job": statistics.median(submitting[:reps])
-            * 1e6
-            / (len(stores) + len(loads)),
+            "submit_us_per_job": submit * 1e6,
         }
     return out
 
@@ -294,6 +310,11 @@ def print_layout(row: dict[str, Any], peak: dict[str, Any]) -> None:
     for name, label in (("vllm", "(b)"), ("plugin", "(c)")):
         if name in row:
             each = [f"{d} {row[name][d]['submit_us_per_job']:.0f}" for d in DIRECTIONS]
+            per_round = [
+                f"{d} " + "/".join(f"{x:.1f}" for x in row[name][d]["GBps_rounds"])
+                for d in DIRECTIONS
+            ]
+            print(f"{label} GB/s per round: {' · '.join(per_round)}")
             print(f"{label} submitting, us a job: {' / '.join(each)}")
     print(
         f"a fixed Python loop took {row['python_loop_ms']:.1f} ms before this layout (about 10 "
