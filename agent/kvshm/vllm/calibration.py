@@ -61,8 +61,8 @@ SM_USE = {"dma": 0, "cpu": 0, "staged": 1, "kernel": 2}
 # its submitting: where the thread only just keeps ahead of the copies (DMA issuing a descriptor
 # per 32-64 KiB page, 1024 a job: 400-680 us a job against 620 us of copies) the copies wait
 # for it then. Measured as is, Llama-3.1-8B's DMA one way and a DMA store beside staging both
-# ways tied or won the trial and moved 0.86-0.88 of the link at scale, against 0.95 / 0.92
-# staged (F25, F30).
+# ways tied or won the trial and moved 0.86-0.88 of the link at scale; staged every way, as
+# now chosen, 0.94-0.97 one way and 0.87-0.92 both ways (F25, F34).
 SLOW_CPU = 2.0
 
 HandlerFactory = Callable[
