@@ -49,6 +49,7 @@ from bench.common.gpu import (  # noqa: E402
     beside_compute,
     gbps,
     link_peak,
+    median_seconds,
     python_loop_ms,
     wall,
 )
@@ -90,8 +91,7 @@ def pieces(piece: int, reps: int, ways: tuple[str, ...]) -> float:
                 with torch.cuda.stream(stream):
                     target[start : start + piece].copy_(source[start : start + piece], True)
 
-    wall(issue)
-    return gbps(len(ways) * GIB, statistics.median(wall(issue) for _ in range(reps)))
+    return gbps(len(ways) * GIB, median_seconds(lambda: wall(issue), reps, warmup=1))
 
 
 def link(reps: int) -> dict[str, Any]:
