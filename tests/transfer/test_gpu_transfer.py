@@ -19,7 +19,7 @@ from kvshm.transfer import (
     GPULoadStoreSpec,
     TransferOptions,
 )
-from kvshm.transfer.backends.kernel import KernelBackend
+from kvshm.transfer.backends.kernel import CompiledLaunch, KernelBackend
 
 from .helpers import open_region, placements, region_bytes, unpadded
 
@@ -240,8 +240,8 @@ def test_copy_kernel_launches_directly_or_through_triton_byte_exact(
         def changed_interface(*args: object, **kwargs: object) -> None:
             raise TypeError("a launcher that takes other arguments")
 
-        monkeypatch.setattr(KernelBackend, "_launch_compiled", changed_interface)
-    assert (KernelBackend(torch.device("cuda", 0))._compiled is not None) == direct
+        monkeypatch.setattr(CompiledLaunch, "__call__", changed_interface)
+    assert (KernelBackend(torch.device("cuda", 0))._direct is not None) == direct
     region = regions[0]
     gpu = random_block_data(40, 16 * KIB, 2)
     refs = [[CanonicalKVCacheRef(0, 16 * KIB), CanonicalKVCacheRef(1, 16 * KIB)]]
@@ -276,7 +276,8 @@ def test_a_hook_on_tritons_launches_sees_the_copy_kernel() -> None:
     from triton import knobs
 
     backend = KernelBackend(torch.device("cuda", 0))
-    assert backend._handles is not None and not backend._hooks_listening()
+    direct = backend._direct
+    assert direct is not None and direct.handles is not None and not direct.hooks_listening()
     data = torch.arange(64, dtype=torch.uint8, device="cuda")
     at = data.data_ptr()
     seen: list[object] = []
@@ -288,7 +289,7 @@ def test_a_hook_on_tritons_launches_sees_the_copy_kernel() -> None:
         if hooked:
             knobs.runtime.launch_enter_hook.add(hook)
         try:
-            assert backend._hooks_listening() == hooked
+            assert direct.hooks_listening() == hooked
             table = torch.tensor([[at + src], [at + dst], [16]], dtype=torch.int64).pin_memory()
             backend.launch(table, 0, 1, 16)
             torch.cuda.synchronize()
@@ -356,15 +357,17 @@ def test_many_layers_of_small_pages_are_staged_and_byte_exact(
 def test_staged_jobs_reuse_their_kernel_tables_once_retired_byte_exact(
     regions: list[SharedOffloadRegion],
 ) -> None:
-    """A uniform staged job borrows its pinned kernel table and shares its cut's DMA table
-    with every job of its size: a second round of stores, with other data and other rows,
-    reuses the first round's tables and still lands every byte where it belongs."""
+    """On the table path (a layout the page kernel refuses), a uniform staged job borrows
+    its pinned kernel table and shares its cut's DMA table with every job of its size: a
+    second round of stores, with other data and other rows, reuses the first round's tables
+    and still lands every byte where it belongs."""
     region = regions[0]
     gpu = random_block_data(64, PAGE, LAYERS)
     refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
     pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs)
     store = pair.gpu_to_cpu_handler
     assert store._uniform is not None
+    store._uniform[1]._pages = None  # as prepare_uniform leaves it for a refused layout
     tables = store._uniform[1]._tables
     rng = np.random.default_rng(11)
     lent = []
@@ -386,6 +389,59 @@ def test_staged_jobs_reuse_their_kernel_tables_once_retired_byte_exact(
         for t in range(LAYERS):
             assert np.array_equal(rows[:, t], gpu[t][ids].cpu().numpy().view(np.uint8)), t
     assert len(lent[0]) == 4 and lent[1] == lent[0]  # the same four tables, lent again
+    pair.shutdown()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "through-triton"])
+@pytest.mark.parametrize("regions", [(48, LAYERS * PAGE)], indirect=True)
+def test_uniform_jobs_move_by_the_page_kernel_byte_exact(
+    direct: bool, regions: list[SharedOffloadRegion], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uniform staged jobs address their pages from the block ids (the page kernel, no
+    table per job): a job of more blocks than one launch takes (16) and than a buffer holds
+    (20) lands every byte both ways, the kernel launched directly or, where its self-test
+    fails, through Triton."""
+    if not direct:
+
+        def changed_interface(*args: object, **kwargs: object) -> None:
+            raise TypeError("a launcher that takes other arguments")
+
+        monkeypatch.setattr(CompiledLaunch, "__call__", changed_interface)
+    region = regions[1]
+    gpu = random_block_data(64, PAGE, LAYERS)
+    refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
+    options = TransferOptions(staging_buffer_bytes=20 * LAYERS * PAGE, staging_buffers=2)
+    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, options=options, backend="staged")
+    store, load = pair.gpu_to_cpu_handler, pair.cpu_to_gpu_handler
+    for handler in (store, load):
+        assert handler._uniform is not None
+        pages = handler._uniform[1]._pages
+        assert pages is not None and (pages[1]._direct is not None) == direct
+    rng = np.random.default_rng(5)
+    gpu_ids, cpu_ids = rng.permutation(64)[:48], rng.permutation(48)
+    spec = (GPULoadStoreSpec(gpu_ids, [48], [0]), CPULoadStoreSpec(cpu_ids))
+    assert store.transfer_async(1, spec)
+    assert store._jobs[-1].ticket.keep is None  # nothing lent: the ids are the arguments
+    store.wait([1])
+    assert [(r.job_id, r.success) for r in store.get_finished()] == [(1, True)]
+    rows = region_bytes(region)
+    cells = rows[cpu_ids, LAYERS * PAGE : 2 * LAYERS * PAGE].reshape(48, LAYERS, PAGE)
+    ids = torch.from_numpy(gpu_ids).cuda()
+    for t in range(LAYERS):
+        assert np.array_equal(cells[:, t], gpu[t][ids].cpu().numpy().view(np.uint8)), t
+    assert not rows[:, : LAYERS * PAGE].any()  # the other workers' cells untouched
+
+    originals = [t[ids].clone() for t in gpu]
+    for tensor in gpu:
+        tensor.fill_(0x5A)
+    load_to = rng.permutation(64)[:48]
+    run(load, 2, (CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(load_to, [48], [0])))
+    targets = torch.from_numpy(load_to).cuda()
+    for tensor, original in zip(gpu, originals, strict=True):
+        assert torch.equal(tensor[targets], original)
+    untouched = np.setdiff1d(np.arange(64), load_to)
+    for tensor in gpu:
+        assert bool((tensor[torch.from_numpy(untouched).cuda()] == 0x5A).all())
     pair.shutdown()
 
 

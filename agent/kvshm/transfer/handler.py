@@ -171,6 +171,9 @@ class SingleDirectionOffloadingHandler:
         self._uniform_picks: set[str | None] = set()
         if layout is not None and staged is not None and staged.buffer_bytes >= layout.block_bytes:
             self._uniform = (layout, staged)
+            refused = staged.prepare_uniform(layout)
+            if refused is not None:
+                log.info("uniform jobs gather through kernel tables: %s", refused)
             self._uniform_picks = {"staged"}
             if self._chooser.staged_for_uniform(layout) is not None:
                 self._uniform_picks.add(None)

@@ -188,9 +188,8 @@ def uniform_tables(
     runs_out: Int64s | None = None,
 ) -> tuple[Int64s, Int64s]:
     """The job's kernel table, (3, blocks x refs) copies between the GPU pages and the
-    buffers, and DMA table, (3, blocks) runs between the buffers and the cells (cut: its
-    uniform_cut). kernel_out: where to write the kernel table (e.g. a pinned buffer);
-    runs_out: a table from cut.new_runs, whose cells row is rewritten."""
+    buffers, and DMA table (uniform_runs). kernel_out: where to write the kernel table (e.g.
+    a pinned buffer); the page kernel needs none (it addresses the pages from the ids)."""
     count, refs = cut.blocks, layout.refs
     if len(job.gpu_ids) != count:
         raise ValueError(f"a job of {len(job.gpu_ids)} blocks given a cut of {count}")
@@ -201,8 +200,22 @@ def uniform_tables(
     gpu_pages += layout.gpu_base
     kernel[staged_row] = cut.staged_pages
     kernel[2] = cut.sizes
+    return kernel, uniform_runs(layout, job, cut, gpu_to_cpu, runs_out)
+
+
+def uniform_runs(
+    layout: UniformLayout,
+    job: UniformJob,
+    cut: UniformCut,
+    gpu_to_cpu: bool,
+    runs_out: Int64s | None = None,
+) -> Int64s:
+    """The job's DMA table, (3, blocks) runs between the buffers and the cells (cut: its
+    uniform_cut). runs_out: a table from cut.new_runs, whose cells row is rewritten."""
+    if len(job.cpu_ids) != cut.blocks:
+        raise ValueError(f"a job of {len(job.cpu_ids)} blocks given a cut of {cut.blocks}")
     runs = cut.new_runs(gpu_to_cpu) if runs_out is None else runs_out
     cells = runs[1 if gpu_to_cpu else 0]
     np.multiply(job.cpu_ids, layout.cpu_stride, out=cells)
     cells += layout.cpu_base
-    return kernel, runs
+    return runs

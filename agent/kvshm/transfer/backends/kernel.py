@@ -9,7 +9,7 @@ fault and take the CUDA context down), so it is offered only after checking all 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ def triton_missing_reason() -> str | None:
     return None
 
 
-def _launch_constants(chunk_bytes: int) -> tuple[int, ...] | None:
+def _launch_constants(*constexprs: int) -> tuple[int, ...] | None:
     """The constexpr arguments a compiled Triton kernel's launch takes after the others, or
     None for a Triton whose launch convention kvshm does not know: 3.3 to 3.x pass every bound
     argument (measured on 3.6), earlier ones only the non-constexprs."""
@@ -58,7 +58,62 @@ def _launch_constants(chunk_bytes: int) -> tuple[int, ...] | None:
         return None
     if version >= (4, 0):
         return None
-    return (chunk_bytes,) if version >= (3, 3) else ()
+    return constexprs if version >= (3, 3) else ()
+
+
+class CompiledLaunch:
+    """Launches a compiled Triton kernel the way Triton's own launch does, minus its per-call
+    work: where this Triton's names are known (3.3 to 3.x), it hands Triton's launcher the
+    kernel's function, packed metadata and arguments itself, without re-reading the handles,
+    building launch metadata and calling the (empty) profiler hook chains each time. Once a
+    hook is added (a profiler), launches go through Triton's own path again, which calls it.
+    How a compiled kernel takes its arguments is Triton's internal interface: build one only
+    through checked_launch, which tries it on a probe first."""
+
+    def __init__(self, compiled: Any, constants: tuple[int, ...]) -> None:
+        self.compiled = compiled
+        self.constants = constants
+        self.handles = _launch_handles(compiled)
+        self._runtime = _triton_runtime_knobs()
+
+    def __call__(self, args: tuple[int, ...], grid: int, stream: int) -> None:
+        if self.handles is not None and not self.hooks_listening():
+            run, function, packed = self.handles
+            run(grid, 1, 1, stream, function, packed, None, None, None, *args, *self.constants)
+            return
+        self.compiled[(grid, 1, 1)](*args, *self.constants, stream=stream)
+
+    def hooks_listening(self) -> bool:
+        """Whether something (a profiler) listens to Triton's launches: they then go through
+        Triton's own launch, which calls it."""
+        if self._runtime is None:
+            return True
+        for hook in (self._runtime.launch_enter_hook, self._runtime.launch_exit_hook):
+            if hook is not None and getattr(hook, "calls", True):  # a chain with no hooks: none
+                return True
+        return False
+
+
+def checked_launch(
+    compiled: Any,
+    constants: tuple[int, ...] | None,
+    probe: Callable[[CompiledLaunch], bool],
+    what: str,
+) -> CompiledLaunch | None:
+    """A direct launch of `compiled` if `probe` (which launches through it and checks the
+    bytes it moved) passes, else None: the caller then launches through Triton's JIT."""
+    if constants is None:
+        log.info("%s: launching through Triton's JIT (unknown launch convention)", what)
+        return None
+    launch = CompiledLaunch(compiled, constants)
+    works = False
+    try:
+        works = probe(launch)
+    except Exception as exc:  # an internal interface that changed: use the public one
+        log.info("%s: direct launch failed (%s)", what, exc)
+    if not works:
+        log.info("%s: launching through Triton's JIT (slower to issue)", what)
+    return launch if works else None
 
 
 class KernelBackend(CopyBackend):
@@ -81,15 +136,19 @@ class KernelBackend(CopyBackend):
         self._chunk = chunk_bytes
         self._num_warps = num_warps
         self._max_programs = programs
-        self._constants = _launch_constants(chunk_bytes)
-        self._compiled: Any = None
-        self._handles: tuple[Any, Any, Any] | None = None
-        self._runtime = _triton_runtime_knobs()
         # compile now, while the handler is built, not in the first job (~0.5 s)
         with torch.cuda.device(device):
-            self._compiled = self._direct_launcher(device)
+            self._direct = self._direct_launcher(device)
 
-    def _direct_launcher(self, device: torch.device) -> Any:
+    @property
+    def programs(self) -> int:
+        return self._max_programs
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._chunk
+
+    def _direct_launcher(self, device: torch.device) -> CompiledLaunch | None:
         """Compile the kernel and return it for direct launches, or None where a direct
         launch does not move the bytes it should. A direct launch hands Triton's launcher
         what Triton's own launch would, where this Triton's names for them are known.
@@ -106,23 +165,17 @@ class KernelBackend(CopyBackend):
         ).pin_memory()
         stream = torch.cuda.current_stream(device).cuda_stream
         compiled = self._jit_launch(*self._arguments(table, 0, 1, 16), stream)  # compiles
-        if self._constants is None:
-            log.info("copy kernel: launching through Triton's JIT (unknown launch convention)")
+
+        def copies_column_1(launch: CompiledLaunch) -> bool:
+            launch(*self._arguments(table, 1, 1, 16), stream)
             torch.cuda.synchronize(device)
-            return None
-        self._handles = _launch_handles(compiled)
-        works = False
-        try:
-            self._launch_compiled(compiled, *self._arguments(table, 1, 1, 16), stream)
-            torch.cuda.synchronize(device)
-            expected = torch.cat([probe[:32], probe[:32]])
-            works = bool(torch.equal(probe, expected))
-        except Exception as exc:  # an internal interface that changed: use the public one
-            log.info("copy kernel: direct launch failed (%s)", exc)
+            return bool(torch.equal(probe, torch.cat([probe[:32], probe[:32]])))
+
+        direct = checked_launch(
+            compiled, _launch_constants(self._chunk), copies_column_1, "copy kernel"
+        )
         torch.cuda.synchronize(device)
-        if not works:
-            log.info("copy kernel: launching through Triton's JIT (slower to issue)")
-        return compiled if works else None
+        return direct
 
     def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> object:
         if batch.count == 0:
@@ -143,8 +196,8 @@ class KernelBackend(CopyBackend):
         if stream is None:
             stream = torch.cuda.current_stream().cuda_stream
         args, grid = self._arguments(table, start, count, max_size)
-        if self._compiled is not None:
-            self._launch_compiled(self._compiled, args, grid, stream)
+        if self._direct is not None:
+            self._direct(args, grid, stream)
         else:
             self._jit_launch(args, grid, stream)
 
@@ -161,28 +214,6 @@ class KernelBackend(CopyBackend):
     def _jit_launch(self, args: tuple[int, ...], grid: int, stream: int) -> Any:
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             return self._kernel[(grid,)](*args, CHUNK_BYTES=self._chunk, num_warps=self._num_warps)
-
-    def _launch_compiled(
-        self, compiled: Any, args: tuple[int, ...], grid: int, stream: int
-    ) -> None:
-        constants = self._constants or ()
-        if self._handles is not None and not self._hooks_listening():
-            # what Triton's own launch passes its launcher, without re-reading the kernel's
-            # handles and building launch metadata for profiler hooks on every call
-            run, function, packed = self._handles
-            run(grid, 1, 1, stream, function, packed, None, None, None, *args, *constants)
-            return
-        compiled[(grid, 1, 1)](*args, *constants, stream=stream)
-
-    def _hooks_listening(self) -> bool:
-        """Whether something (a profiler) listens to Triton's launches: they then go through
-        Triton's own launch, which calls it."""
-        if self._runtime is None:
-            return True
-        for hook in (self._runtime.launch_enter_hook, self._runtime.launch_exit_hook):
-            if hook is not None and getattr(hook, "calls", True):  # a chain with no hooks: none
-                return True
-        return False
 
 
 def _triton_runtime_knobs() -> Any:

@@ -12,6 +12,7 @@ bounds the device memory it takes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 from kvshm.transfer.backends.base import CopyBackend, Stream
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend
+from kvshm.transfer.backends.page_kernel import PageKernel, page_kernel_refusal
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.pinned import PinnedTables
 from kvshm.transfer.staging import StagingPlan, plan_staging
@@ -29,10 +31,14 @@ from kvshm.transfer.uniform import (
     UniformJob,
     UniformLayout,
     uniform_cut,
+    uniform_runs,
     uniform_tables,
 )
 
 CUTS_KEPT = 16
+
+Move = Callable[[int, int], None]
+"""Gathers or scatters piece p's pages on a stream (a raw handle): move(p, stream)."""
 
 
 @dataclass
@@ -75,6 +81,19 @@ class StagedBackend(CopyBackend):
         self._cuts_layout: UniformLayout | None = None
         self._cuts: dict[tuple[int, int], tuple[UniformCut, CopyBatch]] = {}
         self._tables = PinnedTables(pinned=device.type == "cuda")
+        self._pages: tuple[UniformLayout, PageKernel] | None = None
+
+    def prepare_uniform(self, layout: UniformLayout) -> str | None:
+        """Build the page kernel for the handler's uniform layout (it compiles: call it while
+        the handler is built); its jobs then write no kernel table. Returns why not, if not:
+        those jobs then take the table path."""
+        reason = page_kernel_refusal(layout)
+        if reason is None:
+            kernel = self._kernel
+            gather = self._gpu_to_cpu
+            pages = PageKernel(self._device, layout, gather, kernel.chunk_bytes, kernel.programs)
+            self._pages = (layout, pages)
+        return reason
 
     def allocate(self) -> None:
         """Reserve the buffers and the second stream (idempotent)."""
@@ -123,16 +142,8 @@ class StagedBackend(CopyBackend):
         used = self._take_buffers(plan.pieces)
         bases = np.array([self._ring[b].memory.data_ptr() for b in used], dtype=np.int64)
         kernel_table, runs = staged_tables(batch, plan, bases, self._gpu_to_cpu)
-        self._issue(
-            used,
-            kernel_table,
-            runs,
-            plan.copy_piece_starts,
-            plan.run_piece_starts,
-            plan.largest_copy,
-            stream,
-            after,
-        )
+        move = self._table_move(kernel_table, plan.copy_piece_starts, plan.largest_copy)
+        self._issue(used, runs, plan.run_piece_starts, move, stream, after)
         return (kernel_table, runs)
 
     def copy_uniform(
@@ -149,21 +160,38 @@ class StagedBackend(CopyBackend):
         count = len(job.gpu_ids)
         used = self._take_buffers(-(-count // blocks_per_piece))
         cut, runs = self._cut_for(layout, count, used, blocks_per_piece)
+        if self._pages is not None and self._pages[0] is layout:
+            uniform_runs(layout, job, cut, self._gpu_to_cpu, runs.rows)
+            move = self._page_move(self._pages[1], job, cut)
+            self._issue(used, runs, cut.run_starts, move, stream, after)
+            return None
         table = self._tables.take(count * layout.refs)
         uniform_tables(
             layout, job, cut, self._gpu_to_cpu, table.rows[:, : count * layout.refs], runs.rows
         )
-        self._issue(
-            used,
-            table.tensor,
-            runs,
-            cut.copy_starts,
-            cut.run_starts,
-            cut.largest_copy,
-            stream,
-            after,
-        )
+        move = self._table_move(table.tensor, cut.copy_starts, cut.largest_copy)
+        self._issue(used, runs, cut.run_starts, move, stream, after)
         return table  # lent until the job is done: the kernel reads it meanwhile
+
+    def _table_move(
+        self, table: torch.Tensor, copy_starts: npt.NDArray[np.int64], largest: int
+    ) -> Move:
+        """Piece p is columns copy_starts[p] .. copy_starts[p+1] of a pinned kernel table."""
+
+        def move(piece: int, stream: int) -> None:
+            first, end = int(copy_starts[piece]), int(copy_starts[piece + 1])
+            self._kernel.launch(table, first, end - first, largest, stream)
+
+        return move
+
+    def _page_move(self, pages: PageKernel, job: UniformJob, cut: UniformCut) -> Move:
+        """Piece p is blocks run_starts[p] .. run_starts[p+1] of the job, from their ids."""
+
+        def move(piece: int, stream: int) -> None:
+            first, end = int(cut.run_starts[piece]), int(cut.run_starts[piece + 1])
+            pages.launch(job.gpu_ids[first:end], int(cut.staged_cells[first]), stream)
+
+        return move
 
     def _cut_for(
         self, layout: UniformLayout, count: int, used: list[int], blocks_per_piece: int
@@ -199,11 +227,9 @@ class StagedBackend(CopyBackend):
     def _issue(
         self,
         used: list[int],
-        kernel_table: torch.Tensor,
         runs: CopyBatch,
-        copies: npt.NDArray[np.int64],
         run_starts: npt.NDArray[np.int64],
-        largest: int,
+        move: Move,
         stream: Stream,
         after: Stream | None,
     ) -> None:
@@ -222,11 +248,10 @@ class StagedBackend(CopyBackend):
             fill.wait_event(self._after_done)
         for piece, b in enumerate(used):
             buffer = self._ring[b]
-            first, count = int(copies[piece]), int(copies[piece + 1] - copies[piece])
             piece_runs = runs.columns(int(run_starts[piece]), int(run_starts[piece + 1]))
             fill.wait_event(buffer.free)
             if self._gpu_to_cpu:
-                self._kernel.launch(kernel_table, first, count, largest, fill.cuda_stream)
+                move(piece, fill.cuda_stream)
             else:
                 self._dma.copy(piece_runs, fill)
             buffer.filled.record(fill)
@@ -234,7 +259,7 @@ class StagedBackend(CopyBackend):
             if self._gpu_to_cpu:
                 self._dma.copy(piece_runs, drain)
             else:
-                self._kernel.launch(kernel_table, first, count, largest, drain.cuda_stream)
+                move(piece, drain.cuda_stream)
             buffer.free.record(drain)
         if drain is not stream:
             stream.wait_event(self._ring[used[-1]].free)
