@@ -214,7 +214,7 @@ def test_the_cache_keeps_other_layouts_and_survives_a_broken_file(tmp_path: Path
     cache.put("host", "b", {"store": "staged", "load": "dma"})
     assert cache.get("host", "a") == {"store": "dma", "load": "kernel"}
     assert cache.get("other-host", "a") is None
-    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v6"
+    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v7"
 
 
 @pytest.mark.parametrize(

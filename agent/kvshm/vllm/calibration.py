@@ -48,8 +48,9 @@ REPS = 3  # medians of this many rounds
 # each trial moves the scratch blocks this many times: runs of a few ms (one pass) put a
 # few % of fixed cost on every backend alike and hid a 6 % difference the link shows (H100)
 PASSES = 4
-CACHE_VERSION = 6  # choices of earlier rules (one way only, one pair, ties to the policy, pair
-# ties to DMA over staging, times taken at the CPU speed of the moment) expire
+CACHE_VERSION = 7  # choices of earlier rules (one way only, one pair, ties to the policy, pair
+# ties to DMA over staging, times taken at the CPU speed of the moment) and of staging before
+# its page kernel expire
 MARGIN = 0.03  # times within this of the fastest are a tie: runs of a few ms tell no finer
 # How much of the engine's compute each backend takes (docs/transfer.md F9: matrix products
 # beside DMA took 0.92-1.13x as long, beside staging 1.11-1.16x, beside the copy kernel
