@@ -40,7 +40,12 @@ class CopyBatch:
 
     def sorted_by_destination(self) -> CopyBatch:
         """The same copies, in ascending destination address (equal ones keep their order)."""
-        order = np.argsort(self.rows[1], kind="stable")
+        return self.sorted_by(1)
+
+    def sorted_by(self, row: int) -> CopyBatch:
+        """The same copies, in ascending order of row 0 (sources) or 1 (destinations); equal
+        ones keep their order, and a batch already in order is returned as it is."""
+        order = np.argsort(self.rows[row], kind="stable")
         if np.all(order[1:] > order[:-1]):
             return self
         table = torch.from_numpy(np.ascontiguousarray(self.rows[:, order]))

@@ -253,11 +253,11 @@ class StagedBackend(CopyBackend):
             if self._gpu_to_cpu:
                 move(piece, fill.cuda_stream)
             else:
-                self._dma.copy(piece_runs, fill)
+                self._dma.issue(piece_runs, fill)
             buffer.filled.record(fill)
             drain.wait_event(buffer.filled)
             if self._gpu_to_cpu:
-                self._dma.copy(piece_runs, drain)
+                self._dma.issue(piece_runs, drain)
             else:
                 move(piece, drain.cuda_stream)
             buffer.free.record(drain)
