@@ -46,7 +46,7 @@ def triton_missing_reason() -> str | None:
     return None
 
 
-def _launch_constants(*constexprs: int) -> tuple[int, ...] | None:
+def launch_constants(*constexprs: int) -> tuple[int, ...] | None:
     """The constexpr arguments a compiled Triton kernel's launch takes after the others, or
     None for a Triton whose launch convention kvshm does not know: 3.3 to 3.x pass every bound
     argument (measured on 3.6), earlier ones only the non-constexprs."""
@@ -172,7 +172,7 @@ class KernelBackend(CopyBackend):
             return bool(torch.equal(probe, torch.cat([probe[:32], probe[:32]])))
 
         direct = checked_launch(
-            compiled, _launch_constants(self._chunk), copies_column_1, "copy kernel"
+            compiled, launch_constants(self._chunk), copies_column_1, "copy kernel"
         )
         torch.cuda.synchronize(device)
         return direct

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvshm.transfer.backends.kernel import CompiledLaunch, _launch_constants, checked_launch
+from kvshm.transfer.backends.kernel import CompiledLaunch, checked_launch, launch_constants
 from kvshm.transfer.uniform import UniformLayout
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class PageKernel:
             torch.cuda.synchronize(device)
             return bool(torch.equal(probe, expected))
 
-        constants = _launch_constants(self._chunk, self._gather)
+        constants = launch_constants(self._chunk, self._gather)
         direct = checked_launch(compiled, constants, moves_the_second, "page kernel")
         torch.cuda.synchronize(device)
         return direct
