@@ -270,6 +270,34 @@ def test_copy_kernel_launches_directly_or_through_triton_byte_exact(
     pair.shutdown()
 
 
+@pytest.mark.parametrize("regions", [(64, 2 * 16 * KIB)], indirect=True)
+def test_kernel_jobs_borrow_a_pinned_table_and_give_it_back(
+    regions: list[SharedOffloadRegion],
+) -> None:
+    """A kernel-backend job reads its descriptors from a pinned table lent until the job is
+    retired: the next job, with other rows, borrows the same table and lands every byte."""
+    region = regions[0]
+    gpu = random_block_data(64, 16 * KIB, 2)
+    refs = [[CanonicalKVCacheRef(0, 16 * KIB), CanonicalKVCacheRef(1, 16 * KIB)]]
+    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, backend="kernel")
+    store = pair.gpu_to_cpu_handler
+    rng = np.random.default_rng(13)
+    lent = []
+    for job in range(2):
+        gpu_ids, cpu_ids = rng.permutation(64)[:24], rng.permutation(64)[:24]
+        spec = (GPULoadStoreSpec(gpu_ids, [24], [0]), CPULoadStoreSpec(cpu_ids))
+        assert store.transfer_async(job, spec)
+        lent.append(store._jobs[-1].ticket.keep)
+        store.wait([job])
+        assert [(r.job_id, r.success) for r in store.get_finished()] == [(job, True)]
+        cell = region_bytes(region)[cpu_ids, : 2 * 16 * KIB]
+        for t in range(2):
+            sent = gpu[t][torch.from_numpy(gpu_ids).cuda()].cpu().numpy().view(np.uint8)
+            assert np.array_equal(cell[:, t * 16 * KIB : (t + 1) * 16 * KIB], sent)
+    assert lent[0] is lent[1] is not None  # given back when retired, lent again
+    pair.shutdown()
+
+
 def test_a_hook_on_tritons_launches_sees_the_copy_kernel() -> None:
     """Launched directly, the kernel skips Triton's per-launch hook calls; once a profiler
     hooks Triton's launches, they go through Triton's own path, which calls it."""
