@@ -6,12 +6,12 @@ block's cell in the staging buffer. So the kernel takes the ids as launch argume
 layout's per-ref table from device memory, uploaded once: no job writes a table, and the
 kernel reads nothing from host memory. With a table in pinned host memory, its reads wait
 behind the other direction's copies on the link, and the copies out waited for the gather:
-both ways 85-91 GB/s against 88-93 with the table in device memory (docs/transfer.md, F37).
+both ways 87-91 GB/s on the real model layouts, against 94-96 with this kernel (H100,
+docs/transfer.md F37).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -20,8 +20,6 @@ import torch
 
 from kvshm.transfer.backends.kernel import CompiledLaunch, checked_launch, launch_constants
 from kvshm.transfer.uniform import UniformLayout
-
-log = logging.getLogger(__name__)
 
 I32_MAX = (1 << 31) - 1
 
