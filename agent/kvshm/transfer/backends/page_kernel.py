@@ -8,20 +8,38 @@ kernel reads nothing from host memory. With a table in pinned host memory, its r
 behind the other direction's copies on the link, and the copies out waited for the gather:
 both ways 87-91 GB/s on the real model layouts, against 94-96 with this kernel (H100,
 docs/transfer.md F37).
+
+Its programs have the copy kernel's shape (4 warps, 16 KiB a step). Programs of one warp and
+32 registers, small enough to sit on an SM beside a matrix product's thread block, slowed the
+products beside more, not less (F40).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvshm.transfer.backends.kernel import CompiledLaunch, checked_launch, launch_constants
+from kvshm.transfer.backends.kernel import (
+    DEFAULT_NUM_WARPS,
+    CompiledLaunch,
+    checked_launch,
+    launch_constants,
+)
 from kvshm.transfer.uniform import UniformLayout
 
 I32_MAX = (1 << 31) - 1
+
+
+class _Geometry(NamedTuple):
+    """The kernel's arguments that a layout fixes."""
+
+    table: int  # the per-ref (4, refs) table's device address
+    refs: int
+    block_bytes: int
+    chunks_per_page: int
 
 
 def page_kernel_refusal(layout: UniformLayout) -> str | None:
@@ -51,41 +69,40 @@ class PageKernel:
         self._gather = gather
         self._chunk = chunk_bytes
         self._programs = programs
-        self._block_bytes = layout.block_bytes
         columns = [layout.gpu_base, layout.gpu_stride, layout.cell_offset, layout.page]
         with torch.cuda.device(device):
             # uploaded once, while the handler is built
             self._table = torch.from_numpy(np.stack(columns)).to(device)
             chunks = -(-layout.largest_page // chunk_bytes)
-            self._geometry = (self._table.data_ptr(), layout.refs, layout.block_bytes, chunks)
+            self._geometry = _Geometry(
+                self._table.data_ptr(), layout.refs, layout.block_bytes, chunks
+            )
             self._direct = self._direct_launcher(device)
 
     def launch(self, gpu_ids: npt.NDArray[np.int64], staged: int, stream: int) -> None:
         """Move blocks gpu_ids (in order) to or from the cells at staged, staged +
         block_bytes, ... on a stream (a raw handle)."""
-        per_launch = self.blocks_per_launch
+        per_launch, geometry = self.blocks_per_launch, self._geometry
         for first in range(0, len(gpu_ids), per_launch):
             ids = gpu_ids[first : first + per_launch].tolist()
-            args = self._arguments(self._geometry, ids, staged + first * self._block_bytes)
-            grid = min(len(ids) * self._geometry[1] * self._geometry[3], self._programs)
+            args = self._arguments(geometry, ids, staged + first * geometry.block_bytes)
+            grid = min(len(ids) * geometry.refs * geometry.chunks_per_page, self._programs)
             if self._direct is not None:
                 self._direct(args, grid, stream)
             else:
                 self._jit_launch(args, grid, stream)
 
-    def _arguments(
-        self, geometry: tuple[int, int, int, int], ids: list[int], staged: int
-    ) -> tuple[int, ...]:
-        """(table address, refs, block bytes, chunks a page) and the blocks' ids: the
-        kernel's arguments, the ids padded to PAGE_KERNEL_BLOCKS."""
-        table, refs, block_bytes, chunks = geometry
+    def _arguments(self, geometry: _Geometry, ids: list[int], staged: int) -> tuple[int, ...]:
+        """The kernel's arguments: the geometry's and the blocks' ids, padded to
+        PAGE_KERNEL_BLOCKS."""
         pad = [0] * (self.blocks_per_launch - len(ids))
+        table, refs, block_bytes, chunks = geometry
         return (table, refs, staged, block_bytes, len(ids), chunks, *ids, *pad)
 
     def _jit_launch(self, args: tuple[int, ...], grid: int, stream: int) -> Any:
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             return self._kernel[(grid,)](
-                *args, CHUNK_BYTES=self._chunk, GATHER=self._gather, num_warps=4
+                *args, CHUNK_BYTES=self._chunk, GATHER=self._gather, num_warps=DEFAULT_NUM_WARPS
             )
 
     def _direct_launcher(self, device: torch.device) -> CompiledLaunch | None:
@@ -103,7 +120,7 @@ class PageKernel:
         for row, at_cell in ((first, cell), (second, second_cell)):
             src, dst = (16 * row, at_cell) if self._gather else (at_cell, 16 * row)
             expected[dst : dst + 16] = expected[src : src + 16].clone()
-        geometry = (table.data_ptr(), 1, 16, 1)
+        geometry = _Geometry(table.data_ptr(), refs=1, block_bytes=16, chunks_per_page=1)
         compiled = self._jit_launch(self._arguments(geometry, [first], at + cell), 1, stream)
 
         def moves_the_second(launch: CompiledLaunch) -> bool:

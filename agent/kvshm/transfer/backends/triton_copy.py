@@ -13,6 +13,19 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _copy_chunk(source, destination, left, CHUNK_BYTES: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Copy min(left, CHUNK_BYTES) bytes between two addresses given as integers; both and
+    `left` are multiples of 16 bytes, which the hints tell the compiler so that each thread
+    moves 16 bytes per access."""
+    src = tl.multiple_of(source.to(tl.pointer_type(tl.int64)), 16)
+    dst = tl.multiple_of(destination.to(tl.pointer_type(tl.int64)), 16)
+    words = tl.multiple_of(left // 8, 2)
+    offsets = tl.arange(0, CHUNK_BYTES // 8)
+    mask = offsets < words
+    tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
+
+
 # the table addresses, count and chunk count vary per job: specializing on them (Triton does
 # for values divisible by 16 or equal to 1) would compile a variant mid-serving
 @triton.jit(do_not_specialize=["sources", "destinations", "sizes", "count", "chunks_per_copy"])
@@ -26,8 +39,7 @@ def copy_blocks_kernel(  # type: ignore[no-untyped-def]
     for a grid of G programs. A bounded grid lets the other direction's kernel (and the
     serving engine's compute) run beside this one: a grid of one program per chunk fills
     every SM until it drains, so two directions would take turns. Addresses and sizes are
-    multiples of 16 bytes (the backend checks it), which the hints below tell the compiler
-    so that each thread moves 16 bytes per access.
+    multiples of 16 bytes (the backend checks it).
     """
     source_table = sources.to(tl.pointer_type(tl.int64))
     destination_table = destinations.to(tl.pointer_type(tl.int64))
@@ -36,14 +48,9 @@ def copy_blocks_kernel(  # type: ignore[no-untyped-def]
         copy = work // chunks_per_copy
         start = (work % chunks_per_copy).to(tl.int64) * CHUNK_BYTES
         size = tl.load(size_table + copy)
-        src = (tl.load(source_table + copy) + start).to(tl.pointer_type(tl.int64))
-        dst = (tl.load(destination_table + copy) + start).to(tl.pointer_type(tl.int64))
-        src = tl.multiple_of(src, 16)
-        dst = tl.multiple_of(dst, 16)
-        words = tl.multiple_of((size - start) // 8, 2)
-        offsets = tl.arange(0, CHUNK_BYTES // 8)
-        mask = offsets < words
-        tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
+        source = tl.load(source_table + copy) + start
+        destination = tl.load(destination_table + copy) + start
+        _copy_chunk(source, destination, size - start, CHUNK_BYTES)
 
 
 PAGE_KERNEL_BLOCKS = 16
@@ -118,14 +125,6 @@ def copy_pages_kernel(  # type: ignore[no-untyped-def]
         cell = staged + k.to(tl.int64) * block_bytes + tl.load(table + 2 * refs + ref) + start
         size = tl.load(table + 3 * refs + ref)
         if GATHER:
-            src = gpu.to(tl.pointer_type(tl.int64))
-            dst = cell.to(tl.pointer_type(tl.int64))
+            _copy_chunk(gpu, cell, size - start, CHUNK_BYTES)
         else:
-            src = cell.to(tl.pointer_type(tl.int64))
-            dst = gpu.to(tl.pointer_type(tl.int64))
-        src = tl.multiple_of(src, 16)
-        dst = tl.multiple_of(dst, 16)
-        words = tl.multiple_of((size - start) // 8, 2)
-        offsets = tl.arange(0, CHUNK_BYTES // 8)
-        mask = offsets < words
-        tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
+            _copy_chunk(cell, gpu, size - start, CHUNK_BYTES)
