@@ -3,9 +3,11 @@ products standing in for a serving engine's compute (bench/transfer, bench/vllm_
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -76,6 +78,9 @@ class Compute:
     def __init__(self) -> None:
         self.a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
         self.stream = torch.cuda.Stream()
+        # the first products on a stream also set up cuBLAS there (tens of ms): timed cold,
+        # ms_each read 30x too long and products sized from it ended long before the transfer
+        self.run(10)
         self.ms_each = self.run(50) / 50
 
     def start(self, count: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -94,20 +99,38 @@ class Compute:
         return float(start.elapsed_time(end))
 
 
+@dataclass(frozen=True)
+class Beside:
+    """A transfer run beside matrix products: its GB/s, how many times as long the products
+    took, and the milliseconds they lost per GB the transfer moved while they ran."""
+
+    GBps: float
+    slowdown: float
+    delay_ms_per_gb: float
+
+
 def beside_compute(
     compute: Compute, nbytes: int, issue_and_wait: Callable[[], None], reps: int
-) -> tuple[float, float]:
-    """(GB/s of the transfer, how many times as long the products take) with products of
-    about the transfer's length queued first on their own stream."""
-    count = max(1, round(nbytes / 50e9 * 1e3 / compute.ms_each))
-    alone = statistics.median(compute.run(count) for _ in range(reps))
-    rates, slowed = [], []
+) -> Beside:
+    """The transfer beside products queued first on their own stream, each run paired with
+    the same products alone just before it (the medians of `reps` pairs). The products are
+    sized to outlast the transfer (1.5 times its time alone), so every byte moves while they
+    run and the delay per GB compares transfers of any speed: a factor over products of a
+    fixed length would credit a slow transfer with bytes it moved after they ended."""
+    seconds = median_seconds(lambda: wall(issue_and_wait), 3, warmup=1)
+    count = max(1, math.ceil(1.5 * seconds * 1e3 / compute.ms_each))
+    rates, slowed, delays = [], [], []
     for _ in range(reps):
+        alone = compute.run(count)
         torch.cuda.synchronize()
         start, end = compute.start(count)
         started = time.perf_counter()
         issue_and_wait()
-        rates.append(gbps(nbytes, time.perf_counter() - started))
+        took = time.perf_counter() - started
         end.synchronize()
-        slowed.append(start.elapsed_time(end) / alone)
-    return statistics.median(rates), statistics.median(slowed)
+        beside = float(start.elapsed_time(end))
+        moved = nbytes * min(1.0, beside / 1e3 / took)  # the bytes moved while they ran
+        rates.append(gbps(nbytes, took))
+        slowed.append(beside / alone)
+        delays.append((beside - alone) / (moved / 1e9))
+    return Beside(statistics.median(rates), statistics.median(slowed), statistics.median(delays))

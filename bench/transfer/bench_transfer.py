@@ -253,9 +253,9 @@ def beside_rows(setup: Setup, compute: Compute, reps: int, label: str) -> list[d
         for name, kwargs in (("kvshm", {}), ("vllm", VLLM_ONE_CALL)):
             handler = setup.handler(direction, **kwargs)
             issue = submit_and_wait(handler, setup.specs(direction))
-            row[name], row[f"{name}_slowdown"] = beside_compute(
-                compute, setup.pass_bytes, issue, reps
-            )
+            beside = beside_compute(compute, setup.pass_bytes, issue, reps)
+            row[name], row[f"{name}_slowdown"] = beside.GBps, beside.slowdown
+            row[f"{name}_delay_ms_per_gb"] = beside.delay_ms_per_gb
             handler.shutdown()
         out.append(row)
     return out

@@ -11,8 +11,9 @@ median of three rounds over the directions, each the median of --reps passes:
       kernel for small-page loads; its DMA call, a C++ op, re-stated with the same single
       cuMemcpyBatchAsync when vllm._C cannot load here: the output says which);
   (c) kvshm's plugin worker (kvshm.vllm.worker) end to end on an agent-made region;
-and beside (b) and (c), how many times as long bf16 4096x4096 matrix products take (the same
-bytes move in both, so a smaller factor is less slowdown per GB moved). Also what building each
+and beside (b) and (c), bf16 4096x4096 matrix products sized to outlast the transfer: how many
+times as long they take, and the milliseconds they lose per GB moved (the goal's measure: the
+factor depends on how long the products are). Also what building each
 worker blocks, the plugin's background CUDA registration, and how long its first transfer waited.
 
 Then engine start at TP 4 (rank 0) on a 64 GiB region (--start-gib): what vLLM's own worker
@@ -149,7 +150,9 @@ A lent host's link dips for seconds at a time (one of seven passes at 44 GB/s wh
 moved 52.7, docs/transfer.md F31): spread over the run, a dip lands on one round."""
 
 
-def measure(built: Built, jobs: Plan, compute: Compute, reps: int) -> dict[str, Any]:
+def measure(
+    built: Built, jobs: Plan, compute: Compute, reps: int, beside_reps: int
+) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     rounds: dict[str, list[float]] = {d: [] for d in DIRECTIONS}
     submitting: dict[str, list[float]] = {d: [] for d in DIRECTIONS}
@@ -174,12 +177,13 @@ def measure(built: Built, jobs: Plan, compute: Compute, reps: int) -> dict[str, 
     for direction in DIRECTIONS:
         stores, loads = jobs.jobs[direction]
         submit = statistics.median(submitting[direction]) / (len(stores) + len(loads))
-        rate_beside, slowed = beside_compute(compute, jobs.nbytes[direction], runs[direction], reps)
+        beside = beside_compute(compute, jobs.nbytes[direction], runs[direction], beside_reps)
         out[direction] = {
             "GBps": statistics.median(rounds[direction]),
             "GBps_rounds": rounds[direction],
-            "GBps_beside": rate_beside,
-            "matmul_slowdown": slowed,
+            "GBps_beside": beside.GBps,
+            "matmul_slowdown": beside.slowdown,
+            "matmul_delay_ms_per_GB": beside.delay_ms_per_gb,
             "submit_us_per_job": submit * 1e6,
         }
     return out
@@ -225,7 +229,7 @@ def bench_layout(layout: KvLayout, args: argparse.Namespace, compute: Compute) -
                 row["plugin_calibration_s"] = built.worker.calibration_seconds
             else:
                 row["vllm_pinned"] = built.notes["pinned"]
-            row[name] = measure(built, jobs, compute, args.reps)
+            row[name] = measure(built, jobs, compute, args.reps, args.beside_reps)
         except Exception as exc:
             problem(f"{layout.name}: measuring the {name} worker failed: {exc!r}")
         finally:
@@ -283,7 +287,7 @@ def print_layout(row: dict[str, Any], peak: dict[str, Any]) -> None:
     )
     print(
         f"{'':6} {'(a) link':>9} {'(b) vLLM':>9} {'(c) kvshm':>9} {'c/a':>6} {'c/b':>6} "
-        f"{'matmul x beside b':>18} {'beside c':>9}"
+        f"{'matmul x beside b':>18} {'beside c':>9} {'ms/GB beside b':>15} {'beside c':>9}"
     )
     for d in DIRECTIONS:
         b = row.get("vllm", {}).get(d)
@@ -296,7 +300,9 @@ def print_layout(row: dict[str, Any], peak: dict[str, Any]) -> None:
         print(
             f"{d:6} {f(a)} {f(b and b['GBps'])} {f(c and c['GBps'])} "
             f"{f(c and c['GBps'] / a, 6, 2)} {f(c and b and c['GBps'] / b['GBps'], 6, 2)} "
-            f"{f(b and b['matmul_slowdown'], 18, 2)} {f(c and c['matmul_slowdown'], 9, 2)}"
+            f"{f(b and b['matmul_slowdown'], 18, 2)} {f(c and c['matmul_slowdown'], 9, 2)} "
+            f"{f(b and b['matmul_delay_ms_per_GB'], 15, 2)} "
+            f"{f(c and c['matmul_delay_ms_per_GB'], 9, 2)}"
         )
     if "plugin_blocking_s" in row:
         print(
@@ -335,6 +341,13 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=2.0, help="GPU KV per layout, GiB")
     parser.add_argument("--job-blocks", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--beside-reps",
+        type=int,
+        default=9,
+        help="pairs of products alone and beside per figure (the GPU's clock wanders: more "
+        "pairs, a steadier median)",
+    )
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument(
         "--workers", default="vllm,plugin", help="which of (b) vllm and (c) plugin to measure"
