@@ -381,22 +381,27 @@ def test_many_layers_of_small_pages_are_staged_and_byte_exact(
     pair.shutdown()
 
 
+@pytest.mark.parametrize("path", ["uniform", "general"])
 @pytest.mark.parametrize("regions", [(64, LAYERS * PAGE)], indirect=True)
 def test_staged_jobs_reuse_their_kernel_tables_once_retired_byte_exact(
-    regions: list[SharedOffloadRegion],
+    regions: list[SharedOffloadRegion], path: str
 ) -> None:
-    """On the table path (a layout the page kernel refuses), a uniform staged job borrows
-    its pinned kernel table and shares its cut's DMA table with every job of its size: a
-    second round of stores, with other data and other rows, reuses the first round's tables
-    and still lands every byte where it belongs."""
+    """On the table path (a layout the page kernel refuses) and on the general path (jobs
+    that are not uniform), a staged job borrows its pinned kernel table: a second round of
+    stores, with other data and other rows, reuses the first round's tables and still lands
+    every byte where it belongs."""
     region = regions[0]
     gpu = random_block_data(64, PAGE, LAYERS)
     refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
-    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs)
+    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, backend="staged")
     store = pair.gpu_to_cpu_handler
     assert store._uniform is not None
-    store._uniform[1]._pages = None  # as prepare_uniform leaves it for a refused layout
-    tables = store._uniform[1]._tables
+    staged = store._uniform[1]
+    if path == "uniform":
+        staged._pages = None  # as prepare_uniform leaves it for a refused layout
+    else:
+        store._uniform = None  # as for a layout with several groups or partial blocks
+    tables = staged._tables
     rng = np.random.default_rng(11)
     lent = []
     for round_ in range(2):

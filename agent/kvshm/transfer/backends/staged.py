@@ -141,10 +141,11 @@ class StagedBackend(CopyBackend):
             return None
         used = self._take_buffers(plan.pieces)
         bases = np.array([self._ring[b].memory.data_ptr() for b in used], dtype=np.int64)
-        kernel_table, runs = staged_tables(batch, plan, bases, self._gpu_to_cpu)
-        move = self._table_move(kernel_table, plan.copy_piece_starts, plan.largest_copy)
+        table = self._tables.take(plan.copies)
+        runs = staged_tables(batch, plan, bases, self._gpu_to_cpu, table.rows)
+        move = self._table_move(table.tensor, plan.copy_piece_starts, plan.largest_copy)
         self._issue(used, runs, plan.run_piece_starts, move, stream, after)
-        return (kernel_table, runs)
+        return table  # lent until the job is done: the kernel reads it meanwhile
 
     def copy_uniform(
         self, layout: UniformLayout, job: UniformJob, stream: Stream, after: Stream | None = None
@@ -270,18 +271,18 @@ def staged_tables(
     plan: StagingPlan,
     bases: npt.NDArray[np.int64],
     gpu_to_cpu: bool,
-    pinned: bool = True,
-) -> tuple[torch.Tensor, CopyBatch]:
-    """The kernel's (3, copies) table between the GPU tensors and the buffers (pinned: the
-    kernel reads it from host memory), and the runs' DMA descriptors between the buffers and
-    the host; `bases` holds each piece's buffer address."""
+    kernel_rows: npt.NDArray[np.int64],
+) -> CopyBatch:
+    """Writes the kernel's table between the GPU tensors and the buffers into the first
+    plan.copies columns of kernel_rows (3 rows: source, destination, size), and returns the
+    runs' DMA descriptors between the buffers and the host; `bases` holds each piece's
+    buffer address."""
     starts = plan.copy_piece_starts
     piece_of_copy = np.repeat(np.arange(plan.pieces), np.diff(starts))
     piece_of_run = np.repeat(np.arange(plan.pieces), np.diff(plan.run_piece_starts))
     staged = bases[piece_of_copy] + plan.offsets
     gpu = batch.src if gpu_to_cpu else batch.dst
-    kernel_table = torch.empty((3, plan.copies), dtype=torch.int64, pin_memory=pinned)
-    table = kernel_table.numpy()
+    table = kernel_rows[:, : plan.copies]
     table[0], table[1] = (gpu, staged) if gpu_to_cpu else (staged, gpu)
     table[2] = batch.sizes
     runs = CopyBatch.allocate(plan.runs)
@@ -290,4 +291,4 @@ def staged_tables(
         (run_staged, plan.run_host) if gpu_to_cpu else (plan.run_host, run_staged)
     )
     runs.rows[2] = plan.run_bytes
-    return kernel_table, runs.with_total(int(plan.run_bytes.sum()))
+    return runs.with_total(int(plan.run_bytes.sum()))
