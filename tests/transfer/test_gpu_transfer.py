@@ -20,6 +20,7 @@ from kvshm.transfer import (
     TransferOptions,
 )
 from kvshm.transfer.backends.kernel import CompiledLaunch, KernelBackend
+from kvshm.transfer.streams import own_stream
 
 from .helpers import open_region, placements, region_bytes, unpadded
 
@@ -423,6 +424,42 @@ def test_staged_jobs_reuse_their_kernel_tables_once_retired_byte_exact(
             assert np.array_equal(rows[:, t], gpu[t][ids].cpu().numpy().view(np.uint8)), t
     assert len(lent[0]) == 4 and lent[1] == lent[0]  # the same four tables, lent again
     pair.shutdown()
+
+
+@pytest.mark.parametrize("regions", [(64, LAYERS * PAGE)], indirect=True)
+def test_jobs_wait_for_no_work_on_torchs_pooled_streams(
+    regions: list[SharedOffloadRegion],
+) -> None:
+    """torch.cuda.Stream() hands out 32 pooled streams per priority in turn, so a handler's
+    stream drawn from them could be the engine's compute stream, and its jobs would wait for
+    all the work queued there (F41). With a long kernel queued on every pooled stream, a
+    staged store and load still finish while those kernels run, and no stream the handlers
+    copy on is a pooled one."""
+    gpu = random_block_data(64, PAGE, LAYERS)
+    refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
+    pair = CpuGpuOffloadingHandlers(gpu, regions[0], 1, refs, backend="staged")
+    rng = np.random.default_rng(5)
+    ids = rng.permutation(64)[:16], rng.permutation(64)[:16]
+    run(pair.gpu_to_cpu_handler, 1, (GPULoadStoreSpec(ids[0], [16], [0]), CPULoadStoreSpec(ids[1])))
+    pooled = [torch.cuda.Stream(priority=p) for p in (0, -1) for _ in range(64)]
+    for stream in pooled:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(2_000_000_000)  # about a second
+    run(pair.gpu_to_cpu_handler, 2, (GPULoadStoreSpec(ids[0], [16], [0]), CPULoadStoreSpec(ids[1])))
+    run(pair.cpu_to_gpu_handler, 3, (CPULoadStoreSpec(ids[1]), GPULoadStoreSpec(ids[0], [16], [0])))
+    still_sleeping = sum(not stream.query() for stream in pooled)
+    torch.cuda.synchronize()
+    assert still_sleeping > 0
+    handlers = (pair.gpu_to_cpu_handler, pair.cpu_to_gpu_handler)
+    ours = {h._timeline._streams[0].cuda_stream for h in handlers}
+    for handler in handlers:
+        assert handler._uniform is not None
+        staged = handler._uniform[1]
+        ours |= {s.cuda_stream for s in (staged._fill_stream, staged._out_stream) if s}
+    assert len(ours) == 5 and not ours & {stream.cuda_stream for stream in pooled}
+    pair.shutdown()
+    given_back = {own_stream(torch.device("cuda")).cuda_stream for _ in range(5)}
+    assert given_back == ours  # the handlers' streams, lent again after their shutdown
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "through-triton"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvshm.transfer.backends.base import Lease, Stream
+from kvshm.transfer.streams import give_back, own_stream
 from kvshm.transfer.timeline import Ticket, Timeline, Work
 
 
@@ -47,7 +48,7 @@ class CudaTimeline(Timeline):
         self._stream_per_job = stream_per_job
         self._streams: list[torch.cuda.Stream] = []
         if not stream_per_job:
-            self._streams.append(torch.cuda.Stream(device))
+            self._streams.append(own_stream(device))
         self._events: list[torch.cuda.Event] = []
         self._last_end: torch.cuda.Event | None = None
         # marks the caller's compute for the next job to wait on; one event serves every job,
@@ -72,7 +73,7 @@ class CudaTimeline(Timeline):
     def _stream(self) -> torch.cuda.Stream:
         if not self._stream_per_job:
             return self._streams[0]
-        return self._streams.pop() if self._streams else torch.cuda.Stream(self._device)
+        return self._streams.pop() if self._streams else own_stream(self._device)
 
     def launch(self, work: Work, after: Stream | None) -> Ticket:
         # the backends issue on the streams they are given, but driver calls go to the
@@ -117,3 +118,6 @@ class CudaTimeline(Timeline):
             self._last_end.synchronize()  # the last job ends after every earlier one
         self._last_end = None
         self._events.clear()
+        for stream in self._streams:
+            give_back(stream)
+        self._streams.clear()

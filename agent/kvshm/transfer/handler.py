@@ -329,3 +329,6 @@ class SingleDirectionOffloadingHandler:
         self._retire(list(self._jobs))
         self._jobs.clear()
         self._timeline.close()
+        staged = self._chooser.staged()
+        if staged is not None:
+            staged.close()

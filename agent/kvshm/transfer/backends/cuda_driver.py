@@ -25,6 +25,7 @@ CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_LOCATION_TYPE_HOST = 2
 CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
 CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
+CU_STREAM_NON_BLOCKING = 1
 
 BATCH_MIN_DRIVER = 12080  # cuMemcpyBatchAsync appeared in CUDA 12.8
 BATCH_WITHOUT_FAIL_IDX = 13000  # CUDA 13 dropped its failIdx argument
@@ -87,6 +88,9 @@ class CudaDriver:
         self._pointer_attribute = self._lib.cuPointerGetAttribute
         self._pointer_attribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
         self._pointer_attribute.restype = ctypes.c_int
+        self._stream_create = self._lib.cuStreamCreate
+        self._stream_create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        self._stream_create.restype = ctypes.c_int
         self._batch, self._batch_takes_fail_idx = self._find_batch()
         self._attrs_index = ctypes.c_size_t(0)
         self._fail_index = ctypes.c_size_t(0)
@@ -143,6 +147,16 @@ class CudaDriver:
     def memcpy(self, dst: int, src: int, size: int, stream: int) -> int:
         """cuMemcpyAsync (unified addressing picks the direction); returns the CUresult."""
         return int(self._memcpy_async(dst, src, size, stream))
+
+    def create_stream(self) -> int:
+        """A new non-blocking stream in the calling thread's current context (make the device
+        current first); raises CudaCallError."""
+        handle = ctypes.c_void_p()
+        self.check(
+            "cuStreamCreate", self._stream_create(ctypes.byref(handle), CU_STREAM_NON_BLOCKING)
+        )
+        assert handle.value is not None
+        return handle.value
 
     def device_pointer(self, host_address: int) -> int | None:
         """The device address of registered host memory, or None if it is not registered."""

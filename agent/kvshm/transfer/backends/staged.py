@@ -26,6 +26,7 @@ from kvshm.transfer.backends.page_kernel import PageKernel, page_kernel_refusal
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.pinned import PinnedTables
 from kvshm.transfer.staging import StagingPlan, plan_staging
+from kvshm.transfer.streams import give_back, own_stream
 from kvshm.transfer.uniform import (
     UniformCut,
     UniformJob,
@@ -99,8 +100,8 @@ class StagedBackend(CopyBackend):
         """Reserve the buffers and the second stream (idempotent)."""
         if self._ring:
             return
-        self._fill_stream = torch.cuda.Stream(self._device)
-        self._out_stream = torch.cuda.Stream(self._device) if self._gpu_to_cpu else None
+        self._fill_stream = own_stream(self._device)
+        self._out_stream = own_stream(self._device) if self._gpu_to_cpu else None
         self._after_done = torch.cuda.Event()
         self._ring = [
             _Buffer(
@@ -110,6 +111,15 @@ class StagedBackend(CopyBackend):
             )
             for _ in range(self._buffer_count)
         ]
+
+    def close(self) -> None:
+        """Give the streams back (the handler has waited for every job); the buffers go
+        with the backend. A later job allocates again."""
+        for stream in (self._fill_stream, self._out_stream):
+            if stream is not None:
+                give_back(stream)
+        self._fill_stream = self._out_stream = None
+        self._ring = []
 
     def plan(self, batch: CopyBatch) -> StagingPlan | None:
         """The job's staging plan, or None if one of its copies exceeds a buffer."""
