@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvshm.transfer.streams import own_stream
+
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 
 
@@ -77,7 +79,9 @@ class Compute:
 
     def __init__(self) -> None:
         self.a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-        self.stream = torch.cuda.Stream()
+        # not torch.cuda.Stream(): torch's 32 pooled streams are handed out in turn, and the
+        # workers measured beside draw theirs from the same pool (kvshm.transfer.streams)
+        self.stream = own_stream(torch.device("cuda"))
         # the first products on a stream also set up cuBLAS there (tens of ms): timed cold,
         # ms_each read 30x too long and products sized from it ended long before the transfer
         self.run(10)
@@ -107,6 +111,9 @@ class Beside:
     GBps: float
     slowdown: float
     delay_ms_per_gb: float
+    delay_quartiles: tuple[float, float]
+    """The pairs' first and third quartiles of the delay: the GPU's clock wanders, and two
+    transfers by the same method differ by as much as this spread."""
 
 
 def beside_compute(
@@ -133,4 +140,10 @@ def beside_compute(
         rates.append(gbps(nbytes, took))
         slowed.append(beside / alone)
         delays.append((beside - alone) / (moved / 1e9))
-    return Beside(statistics.median(rates), statistics.median(slowed), statistics.median(delays))
+    first, _, third = statistics.quantiles(delays, n=4) if len(delays) > 1 else delays * 3
+    return Beside(
+        statistics.median(rates),
+        statistics.median(slowed),
+        statistics.median(delays),
+        (first, third),
+    )

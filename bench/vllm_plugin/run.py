@@ -184,6 +184,7 @@ def measure(
             "GBps_beside": beside.GBps,
             "matmul_slowdown": beside.slowdown,
             "matmul_delay_ms_per_GB": beside.delay_ms_per_gb,
+            "matmul_delay_quartiles": beside.delay_quartiles,
             "submit_us_per_job": submit * 1e6,
         }
     return out
@@ -280,6 +281,14 @@ def bench_start(gib: float) -> dict[str, Any]:
 # -- output ------------------------------------------------------------------------------------
 
 
+def delay(figures: dict[str, Any] | None) -> str:
+    """The products' delay per GB beside a transfer: median (quartiles)."""
+    if not figures:
+        return "-"
+    first, third = figures["matmul_delay_quartiles"]
+    return f"{figures['matmul_delay_ms_per_GB']:.2f} ({first:.1f}..{third:.1f})"
+
+
 def print_layout(row: dict[str, Any], peak: dict[str, Any]) -> None:
     print(
         f"\n== {row['layout']}: {row['blocks']} blocks, region {row['region_bytes'] / GIB:.1f} "
@@ -287,7 +296,7 @@ def print_layout(row: dict[str, Any], peak: dict[str, Any]) -> None:
     )
     print(
         f"{'':6} {'(a) link':>9} {'(b) vLLM':>9} {'(c) kvshm':>9} {'c/a':>6} {'c/b':>6} "
-        f"{'matmul x beside b':>18} {'beside c':>9} {'ms/GB beside b':>15} {'beside c':>9}"
+        f"{'matmul x beside b':>18} {'beside c':>9} {'ms/GB beside b':>21} {'beside c':>21}"
     )
     for d in DIRECTIONS:
         b = row.get("vllm", {}).get(d)
@@ -301,8 +310,7 @@ def print_layout(row: dict[str, Any], peak: dict[str, Any]) -> None:
             f"{d:6} {f(a)} {f(b and b['GBps'])} {f(c and c['GBps'])} "
             f"{f(c and c['GBps'] / a, 6, 2)} {f(c and b and c['GBps'] / b['GBps'], 6, 2)} "
             f"{f(b and b['matmul_slowdown'], 18, 2)} {f(c and c['matmul_slowdown'], 9, 2)} "
-            f"{f(b and b['matmul_delay_ms_per_GB'], 15, 2)} "
-            f"{f(c and c['matmul_delay_ms_per_GB'], 9, 2)}"
+            f"{delay(b):>21} {delay(c):>21}"
         )
     if "plugin_blocking_s" in row:
         print(
