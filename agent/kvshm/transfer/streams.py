@@ -6,8 +6,9 @@ benchmark's) is given the same stream twice, and two unrelated queues become one
 host a handler's store stream, drawn 32 requests after the stream the matrix products ran on,
 was that stream, so the stores waited for every queued product and moved 21 GB/s where they
 move 53 (docs/transfer.md F41). kvshm's copy streams come from the driver instead. Like
-torch's, they live as long as the process (destroying one at exit crashed it while torch
-still cleaned up after it); a shut-down handler gives its streams back for the next one.
+torch's, they live as long as the process: destroyed with their last reference (at exit,
+too), two test processes died of SIGSEGV, which they do not when kept. A shut-down handler
+gives its streams back for the next one.
 """
 
 from __future__ import annotations
