@@ -113,13 +113,15 @@ class StagedBackend(CopyBackend):
         ]
 
     def close(self) -> None:
-        """Give the streams back (the handler has waited for every job); the buffers go
-        with the backend. A later job allocates again."""
+        """Give the streams back (the handler has waited for every job) and free the
+        buffers, with the cuts kept for them (their DMA tables hold the buffers' addresses).
+        A later job allocates again."""
         for stream in (self._fill_stream, self._out_stream):
             if stream is not None:
                 give_back(stream)
         self._fill_stream = self._out_stream = None
         self._ring = []
+        self._cuts_layout, self._cuts = None, {}
 
     def plan(self, batch: CopyBatch) -> StagingPlan | None:
         """The job's staging plan, or None if one of its copies exceeds a buffer."""
