@@ -1,7 +1,9 @@
 """GB/s of the kvshm vLLM plugin's worker against the link and vLLM 0.33's own worker, on the
 KV layouts vLLM 0.33 builds for real models (issue 14):
   Llama-3.1-8B TP1 (32 layers, 32 KiB K/V pages), Qwen2.5-7B TP1 (28 layers, 16 KiB),
-  Llama-3.1-70B TP4 rank 0 (80 layers, 8 KiB; a 4-worker region), and 2 MiB blocks.
+  Llama-3.1-70B TP4 rank 0 (80 layers, 8 KiB; a 4-worker region), and 2 MiB blocks;
+  then the three models with a block-outer KV cache (VLLM_KV_CACHE_LAYOUT=BLHNC: one page of
+  every layer a block, as vLLM's connector worker hands it to the spec).
 For each: H2D (loads), D2H (stores) and both at once, jobs of --job-blocks blocks with random
 block ids on both sides, every GPU block once per pass (about --gib GiB per direction), the
 median of three rounds over the directions, each the median of --reps passes:
@@ -56,7 +58,12 @@ from bench.common.gpu import (  # noqa: E402
 )
 from bench.vllm_plugin.baseline import Built, build_vllm, vllm_dma_note, vllm_platform_note  # noqa: E402
 from bench.vllm_plugin.jobs import Plan, issue_and_wait, job_specs, plan  # noqa: E402
-from tests.vllm_plugin.layouts import REAL_LAYOUTS, KvLayout, canonical_kv_caches  # noqa: E402
+from tests.vllm_plugin.layouts import (  # noqa: E402
+    BLOCK_OUTER_LAYOUTS,
+    REAL_LAYOUTS,
+    KvLayout,
+    canonical_kv_caches,
+)
 from tests.vllm_plugin.regions import agent_region, remove_region  # noqa: E402
 
 from kvshm.vllm.attach import attach_region  # noqa: E402
@@ -372,9 +379,10 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/vllm_plugin/run.py needs a CUDA device")
-    layouts = [x for x in REAL_LAYOUTS if not args.layouts or x.name in args.layouts.split(",")]
+    every = (*REAL_LAYOUTS, *BLOCK_OUTER_LAYOUTS)
+    layouts = [x for x in every if not args.layouts or x.name in args.layouts.split(",")]
     if not layouts:
-        sys.exit(f"no layout matches {args.layouts!r}: {[x.name for x in REAL_LAYOUTS]}")
+        sys.exit(f"no layout matches {args.layouts!r}: {[x.name for x in every]}")
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
     if not args.no_calibrate:
         from kvshm.vllm.calibration import ChoiceCache

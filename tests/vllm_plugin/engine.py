@@ -78,10 +78,15 @@ def vllm_config(model_dir: Path, kv_transfer_json: str, *flags: str) -> Any:
 
 
 def kv_cache_config(
-    num_blocks: int, layers: int = TINY_LAYERS, kv_heads: int = 2, head_size: int = 64
+    num_blocks: int,
+    layers: int = TINY_LAYERS,
+    kv_heads: int = 2,
+    head_size: int = 64,
+    block_outer: bool = False,
 ) -> Any:
     """The KVCacheConfig the engine would give a Llama-shaped model on one worker (kv_heads
-    per worker, bf16, block size 16): one full-attention group, one tensor per layer."""
+    per worker, bf16, block size 16): one full-attention group, one tensor per layer, in one
+    backing allocation, layer-outermost or (block_outer) block-outermost."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -94,16 +99,17 @@ def kv_cache_config(
     )
     page = spec.page_size_bytes
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    total = page * layers * num_blocks  # one backing allocation, layer-outermost
+    total = page * layers * num_blocks
+    layer_stride, block_stride = (page, page * layers) if block_outer else (page * num_blocks, page)
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
             KVCacheTensor(
                 size=total,
                 layers=[name],
-                layer_stride=page * num_blocks,
-                block_stride=page,
-                offset=i * page * num_blocks,
+                layer_stride=layer_stride,
+                block_stride=block_stride,
+                offset=i * layer_stride,
             )
             for i, name in enumerate(names)
         ],

@@ -1,12 +1,15 @@
 """KV-cache layouts for the plugin's tests and bench, and building vLLM's CanonicalKVCaches.
 
 Real model layouts are the per-worker tensors vLLM 0.33 builds at block size 16, one tensor
-per layer holding K and V: page = 2 x 16 tokens x kv_heads x head_size x 2 bytes (bf16).
+per layer holding K and V: page = 2 x 16 tokens x kv_heads x head_size x 2 bytes (bf16). That
+is its layer-outer KV cache (LBHNC, which its OffloadingConnector asks for). With a
+block-outer one (VLLM_KV_CACHE_LAYOUT=BLHNC) a block's layers lie back to back, and vLLM's
+connector worker hands the offloading spec one tensor whose page is the whole block.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,10 +24,20 @@ class KvLayout:
     """One layer's block (K and V) on one worker."""
     groups: int = 1
     """KV-cache groups; layers are dealt round-robin into them."""
+    block_outer: bool = False
+    """One tensor whose page holds every layer of a block (vLLM's packed view of a
+    block-outer KV cache; one group)."""
 
     @property
     def worker_bytes_per_block(self) -> int:
         return self.layers * self.page_bytes
+
+    @property
+    def tensor_pages(self) -> list[int]:
+        """Each GPU tensor's page in bytes."""
+        if self.block_outer:
+            return [self.worker_bytes_per_block]
+        return [self.page_bytes] * self.layers
 
 
 # K or V page = 16 tokens x kv_heads/TP x 128 x 2 bytes; a layer's block holds both
@@ -34,14 +47,19 @@ REAL_LAYOUTS = (
     KvLayout("llama-3.1-70b-tp4-rank0", 80, 2 * 8 * KIB),  # 8 KV heads / 4: 8 KiB
     KvLayout("2mib-blocks", 4, 2 * KIB * KIB),
 )
+# the three models with a block-outer KV cache: one 2 MiB, 896 KiB or 1.25 MiB page a block
+BLOCK_OUTER_LAYOUTS = tuple(
+    replace(x, name=f"{x.name}-block-outer", block_outer=True) for x in REAL_LAYOUTS[:3]
+)
 MULTI_GROUP = KvLayout("two-groups", 8, 2 * 16 * KIB, groups=2)
 
 
 def canonical_kv_caches(
     layout: KvLayout, num_blocks: int, device: str | torch.device, seed: int = 0
 ) -> object:
-    """vLLM's CanonicalKVCaches for the layout: one int8 tensor per layer, filled with a
-    distinct random pattern, layers dealt round-robin into the groups."""
+    """vLLM's CanonicalKVCaches for the layout: one int8 tensor per layer (or one for the
+    whole block, block-outer), filled with a distinct random pattern, layers dealt
+    round-robin into the groups."""
     from vllm.v1.kv_offload.base import (
         CanonicalKVCacheRef,
         CanonicalKVCaches,
@@ -50,12 +68,10 @@ def canonical_kv_caches(
 
     generator = torch.Generator().manual_seed(seed)
     tensors = []
-    for _ in range(layout.layers):
-        data = torch.randint(
-            -128, 128, (num_blocks, layout.page_bytes), dtype=torch.int8, generator=generator
-        )
-        tensors.append(CanonicalKVCacheTensor(data.to(device), layout.page_bytes))
+    for page in layout.tensor_pages:
+        data = torch.randint(-128, 128, (num_blocks, page), dtype=torch.int8, generator=generator)
+        tensors.append(CanonicalKVCacheTensor(data.to(device), page))
     groups: list[list[object]] = [[] for _ in range(layout.groups)]
-    for index in range(layout.layers):
-        groups[index % layout.groups].append(CanonicalKVCacheRef(index, layout.page_bytes))
+    for index, page in enumerate(layout.tensor_pages):
+        groups[index % layout.groups].append(CanonicalKVCacheRef(index, page))
     return CanonicalKVCaches(tensors=tensors, group_data_refs=groups)

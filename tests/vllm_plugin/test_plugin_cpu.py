@@ -4,6 +4,7 @@ vLLM's own region views."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -17,6 +18,7 @@ import torch
 
 from kvshm.region import RegionAttachTimeout
 from kvshm.vllm.attach import RegionGeometryMismatch
+from kvshm.vllm.worker import block_outer_hint
 from tests.vllm_plugin.checks import assert_region_matches_gpu, finish, job_bytes
 from tests.vllm_plugin.conftest import Engine
 from tests.vllm_plugin.engine import (
@@ -26,10 +28,16 @@ from tests.vllm_plugin.engine import (
     NUM_CHUNKS,
     TINY_LAYERS,
     TINY_PAGE,
+    kv_cache_config,
     offloading_spec,
 )
 from tests.vllm_plugin.jobs import Job, random_job
-from tests.vllm_plugin.layouts import KvLayout, canonical_kv_caches
+from tests.vllm_plugin.layouts import (
+    BLOCK_OUTER_LAYOUTS,
+    REAL_LAYOUTS,
+    KvLayout,
+    canonical_kv_caches,
+)
 from tests.vllm_plugin.regions import agent_region, is_held, region_file, vllm_views
 
 SHM = "/dev/shm"  # vLLM's SharedOffloadRegion only looks here
@@ -142,6 +150,56 @@ def test_several_groups_with_partial_and_empty_groups(engine: Engine, region: st
         with views(engine) as vllm:
             assert_region_matches_gpu(job, kv, vllm, BLOCKS_PER_CHUNK)
     worker.shutdown()
+
+
+def test_block_outer_kv_cache_through_vllms_connector_worker(engine: Engine, region: str) -> None:
+    """With a block-outer KV cache (VLLM_KV_CACHE_LAYOUT=BLHNC) vLLM's own connector worker
+    hands the spec one tensor whose page is a whole block, its layers back to back: the
+    plugin stores and loads it, and each cell holds the block as it lies on the GPU."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+        OffloadingConnectorWorker,
+    )
+
+    config = copy.copy(engine.config)
+    config.cache_config = copy.copy(engine.config.cache_config)
+    config.cache_config.kv_cache_layout = "BLHNC"  # as the engine core resolves it
+    kv_config = kv_cache_config(GPU_BLOCKS, block_outer=True)
+    backing = torch.randint(-128, 128, (GPU_BLOCKS, TINY_LAYERS, TINY_PAGE), dtype=torch.int8)
+    (group,) = kv_config.kv_cache_groups
+    connector = OffloadingConnectorWorker(
+        offloading_spec(config, GPU_BLOCKS, kv_config), config, kv_config
+    )
+    connector.register_kv_caches({name: backing[:, i] for i, name in enumerate(group.layer_names)})
+    worker = connector.worker
+    block = TINY_LAYERS * TINY_PAGE
+    rng = np.random.default_rng(4)
+    store = random_job(rng, GPU_BLOCKS, NUM_CHUNKS, BLOCKS_PER_CHUNK, [5], [1])
+    assert worker.submit_store(1, *store.specs())
+    result = finish(worker, {1})[1]
+    assert result.success and result.transfer_size == 5 * block
+    with vllm_views(engine.engine_id, NUM_CHUNKS, 0, CPU_PAGE, CPU_PAGE, [CPU_PAGE]) as (view,):
+        for _, gpu_block, chunk, sub in store.placements(BLOCKS_PER_CHUNK):
+            cell = view[chunk, sub * block : (sub + 1) * block]
+            assert torch.equal(cell, backing[gpu_block].reshape(-1)), f"GPU block {gpu_block}"
+    free = sorted(set(range(GPU_BLOCKS)) - set(store.gpu_ids))[:5]
+    back = Job(free, store.cpu_ids, [5], [1])
+    src, dst = back.specs()
+    assert worker.submit_load(2, dst, src)
+    assert finish(worker, {2})[2].success
+    assert torch.equal(backing[free], backing[store.gpu_ids])
+    worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    "layout", [*REAL_LAYOUTS, *BLOCK_OUTER_LAYOUTS], ids=lambda layout: layout.name
+)
+def test_layer_pages_that_would_be_staged_get_the_block_outer_hint(layout: KvLayout) -> None:
+    hint = block_outer_hint(layout.tensor_pages)
+    staged = not layout.block_outer and layout.page_bytes < 128 * 1024
+    assert (hint is not None) == staged
+    if hint is not None:
+        assert f"{layout.layers} KV tensors of {layout.page_bytes // 1024} KiB pages" in hint
+        assert "VLLM_KV_CACHE_LAYOUT=BLHNC" in hint
 
 
 def test_a_region_of_another_geometry_is_refused_naming_both(engine: Engine) -> None:

@@ -1,4 +1,5 @@
-"""The plugin's worker with CUDA KV tensors on the real model layouts (and a two-group model):
+"""The plugin's worker with CUDA KV tensors on the real model layouts, layer-outer and
+block-outer (and a two-group model):
 stores, loads and expedited loads with random block ids and partial chunks, checked through
 vLLM 0.33's own region views; the region registered with CUDA in the background.
 
@@ -23,7 +24,13 @@ from kvshm.vllm.geometry import RegionGeometry
 from kvshm.vllm.worker import KvshmOffloadingWorker
 from tests.vllm_plugin.checks import assert_region_matches_gpu, finish, job_bytes
 from tests.vllm_plugin.jobs import Job, random_job
-from tests.vllm_plugin.layouts import MULTI_GROUP, REAL_LAYOUTS, KvLayout, canonical_kv_caches
+from tests.vllm_plugin.layouts import (
+    BLOCK_OUTER_LAYOUTS,
+    MULTI_GROUP,
+    REAL_LAYOUTS,
+    KvLayout,
+    canonical_kv_caches,
+)
 from tests.vllm_plugin.regions import agent_region, is_held, vllm_views
 
 pytestmark = pytest.mark.gpu
@@ -33,7 +40,7 @@ CHUNKS = 24
 GPU_BLOCKS = 40
 CASES = [
     (layout, blocks_per_chunk, 4 if "tp4" in layout.name else 1)
-    for layout in (*REAL_LAYOUTS, MULTI_GROUP)
+    for layout in (*REAL_LAYOUTS, *BLOCK_OUTER_LAYOUTS, MULTI_GROUP)
     for blocks_per_chunk in (1, 2)
 ]
 
