@@ -181,6 +181,26 @@ def test_a_trial_is_judged_with_the_issuing_thread_at_half_its_speed() -> None:
     assert seconds >= calibration.SLOW_CPU * 3 * 0.002 * calibration.PASSES
 
 
+@pytest.mark.parametrize(
+    ("pages", "gpu_to_cpu", "tried"),
+    [
+        ([2 * 1024 * 1024], True, ["dma", "staged"]),  # a block-outer cache's one page a block
+        ([896 * 1024], False, ["dma", "staged"]),
+        ([64 * 1024] * 32, True, ["dma", "staged"]),  # from the policy's 64 KiB: DMA's
+        ([32 * 1024] * 64, True, ["dma", "kernel", "staged"]),  # under it: the kernel's
+        ([8 * 1024] * 160, False, ["dma", "kernel", "staged"]),
+    ],
+)
+def test_the_copy_kernel_is_tried_only_for_pages_the_policy_gives_it(
+    pages: list[int], gpu_to_cpu: bool, tried: list[str]
+) -> None:
+    """It holds SMs for the whole transfer (docs/transfer.md F43): at large pages a trial
+    judged at half the CPU's speed chose it over DMA, which moved more."""
+    assert calibration.worth_trying(["dma", "kernel", "staged"], pages, gpu_to_cpu) == tried
+    assert calibration.worth_trying(["kernel"], pages, gpu_to_cpu) == ["kernel"]  # all there is
+    assert calibration.worth_trying(["cpu"], pages, gpu_to_cpu) == ["cpu"]
+
+
 def test_a_failed_job_is_never_chosen() -> None:
     measured = calibration.Measurement(
         alone={"store": {"dma": 1.0, "kernel": float("inf")}, "load": {"dma": 1.0}},
@@ -214,7 +234,7 @@ def test_the_cache_keeps_other_layouts_and_survives_a_broken_file(tmp_path: Path
     cache.put("host", "b", {"store": "staged", "load": "dma"})
     assert cache.get("host", "a") == {"store": "dma", "load": "kernel"}
     assert cache.get("other-host", "a") is None
-    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v7"
+    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v8"
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from kvshm.transfer import CPULoadStoreSpec, GPULoadStoreSpec, SingleDirectionOffloadingHandler
-from kvshm.transfer.chooser import BACKEND_NAMES
+from kvshm.transfer.chooser import BACKEND_NAMES, BackendPolicy
+from kvshm.transfer.metrics import Direction
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,9 @@ REPS = 3  # medians of this many rounds
 # each trial moves the scratch blocks this many times: runs of a few ms (one pass) put a
 # few % of fixed cost on every backend alike and hid a 6 % difference the link shows (H100)
 PASSES = 4
-CACHE_VERSION = 7  # choices of earlier rules (one way only, one pair, ties to the policy, pair
-# ties to DMA over staging, times taken at the CPU speed of the moment) and of staging before
-# its page kernel expire
+CACHE_VERSION = 8  # choices of earlier rules (one way only, one pair, ties to the policy, pair
+# ties to DMA over staging, times taken at the CPU speed of the moment, the copy kernel tried
+# at any page size) and of staging before its page kernel expire
 MARGIN = 0.03  # times within this of the fastest are a tie: runs of a few ms tell no finer
 # How much of the engine's compute each backend takes (docs/transfer.md F9: matrix products
 # beside DMA took 0.92-1.13x as long, beside staging 1.11-1.16x, beside the copy kernel
@@ -230,6 +231,22 @@ def _run(
     return submitting
 
 
+def worth_trying(backends: Sequence[str], pages: Sequence[int], gpu_to_cpu: bool) -> list[str]:
+    """The backends the measurement tries for pages of these sizes. The copy kernel holds SMs
+    for the whole transfer: beside it the engine's matrix products lost 6-26 ms per GB moved,
+    beside DMA 0-0.5 (H100, docs/transfer.md F43), so it is tried only where the policy
+    would give it the jobs (pages averaging under its kernel_below_bytes), where the copy
+    engines are bound by their descriptors; pages of 0.9-1.3 MiB, where a trial judged at
+    half the CPU's speed had chosen it, it moved less than DMA does."""
+    direction = Direction.GPU_TO_CPU if gpu_to_cpu else Direction.CPU_TO_GPU
+    kernel_below = BackendPolicy().kernel_below_bytes.get(direction, 0)
+    mean_page = sum(pages) / max(len(pages), 1)
+    others = [b for b in backends if b != "kernel"]
+    if "kernel" in backends and others and mean_page >= kernel_below:
+        return others
+    return list(backends)
+
+
 def judged_seconds(wall: float, submitting: float) -> float:
     """A trial's time with the issuing thread SLOW_CPU times slower than it ran."""
     return max(wall, SLOW_CPU * submitting)
@@ -271,7 +288,7 @@ def measure(
         policy: dict[str, str] = {}
         for name, gpu_to_cpu in directions:
             probe = make(gpu_to_cpu, None, scratch)
-            candidates = probe.backends
+            candidates = worth_trying(probe.backends, [t.shape[1] for t in scratch], gpu_to_cpu)
             gpu, cpu = work.every[0]
             policy[name] = (
                 probe.backend_for(gpu, cpu) if gpu_to_cpu else probe.backend_for(cpu, gpu)
