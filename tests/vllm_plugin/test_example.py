@@ -37,10 +37,14 @@ def container(document: dict[str, Any]) -> dict[str, Any]:
     return dict(document["spec"]["template"]["spec"]["containers"][0])
 
 
+def env_of(document: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value") for e in container(document)["env"]}
+
+
 def test_the_example_attaches_its_region_with_vllms_geometry(tmp_path: Path) -> None:
     deployment = yaml.safe_load(EXAMPLE.read_text())
     vllm = container(deployment)
-    env = {e["name"]: e.get("value") for e in vllm["env"]}
+    env = env_of(deployment)
     flags = json.loads(env["KV_TRANSFER_CONFIG"])
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
     config = vllm_config(tmp_path, env["KV_TRANSFER_CONFIG"], "--tensor-parallel-size=4")
@@ -68,9 +72,41 @@ def test_the_example_attaches_its_region_with_vllms_geometry(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("key", ["spec_name", "spec_module_path"])
 def test_the_example_names_the_plugin(key: str) -> None:
-    env = {e["name"]: e.get("value") for e in container(yaml.safe_load(EXAMPLE.read_text()))["env"]}
+    env = env_of(yaml.safe_load(EXAMPLE.read_text()))
     extra = json.loads(env["KV_TRANSFER_CONFIG"])["kv_connector_extra_config"]
     assert (
         extra[key]
         == {"spec_name": "KvshmOffloadingSpec", "spec_module_path": "kvshm.vllm.spec"}[key]
+    )
+
+
+def test_the_examples_kv_cache_is_block_outer_on_the_same_region(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's own layout resolution, for FlashAttention (H100's backend, which declares no
+    layout), takes the example's VLLM_KV_CACHE_LAYOUT over OffloadingConnector's LBHNC; the
+    block-outer cache gives the spec the same region geometry."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+
+    env = env_of(yaml.safe_load(EXAMPLE.read_text()))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    supported = [x.name for x in get_supported_kv_cache_layouts([FlashAttentionBackend])]
+    layouts = {}
+    for value in (None, env["VLLM_KV_CACHE_LAYOUT"]):
+        if value is not None:
+            monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", value)
+        config = vllm_config(tmp_path, env["KV_TRANSFER_CONFIG"], "--tensor-parallel-size=4")
+        layouts[value] = resolve_kv_cache_layout(config, [supported] * 4)
+    assert not layouts[None].is_block_outermost  # what the connector asks for
+    assert layouts[env["VLLM_KV_CACHE_LAYOUT"]].is_block_outermost
+    block_outer = kv_cache_config(1024, layers=80, kv_heads=2, head_size=128, block_outer=True)
+    geometry = offloading_spec(config, 1024, block_outer).region_geometry
+    assert (geometry.num_chunks, geometry.cpu_page_size, geometry.num_workers) == (
+        REGION["numBlocks"],
+        REGION["cpuPageSize"],
+        REGION["numWorkers"],
     )
