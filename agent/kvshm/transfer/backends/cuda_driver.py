@@ -91,6 +91,9 @@ class CudaDriver:
         self._stream_create = self._lib.cuStreamCreate
         self._stream_create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         self._stream_create.restype = ctypes.c_int
+        self._current_context = self._lib.cuCtxGetCurrent
+        self._current_context.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self._current_context.restype = ctypes.c_int
         self._batch, self._batch_takes_fail_idx = self._find_batch()
         self._attrs_index = ctypes.c_size_t(0)
         self._fail_index = ctypes.c_size_t(0)
@@ -157,6 +160,12 @@ class CudaDriver:
         )
         assert handle.value is not None
         return handle.value
+
+    def has_current_context(self) -> bool:
+        """Whether the calling thread has a CUDA context current (a thread the process
+        started has none until something, torch.cuda.set_device say, makes one current)."""
+        context = ctypes.c_void_p()
+        return self._current_context(ctypes.byref(context)) == CUDA_SUCCESS and bool(context.value)
 
     def device_pointer(self, host_address: int) -> int | None:
         """The device address of registered host memory, or None if it is not registered."""
