@@ -23,8 +23,8 @@ _lock = threading.Lock()
 
 def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
     """A non-blocking stream on `device` that no torch.cuda.Stream() can be given: one given
-    back earlier, else a new one. Call it where the device's context is current (any thread
-    that has run CUDA work on it), as the driver calls of the copies are."""
+    back earlier, else a new one, created in the device's primary context (made current on a
+    thread that has none, as torch's own first CUDA call there would)."""
     from kvshm.transfer.backends.cuda_driver import cuda_driver
 
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -32,8 +32,13 @@ def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
         free = _free.get(index)
         handle = free.pop() if free else None
     if handle is None:
+        driver = cuda_driver()
         with torch.cuda.device(index):
-            handle = cuda_driver().create_stream()
+            # torch switches devices only when the index differs, so a thread the process
+            # started (device 0, no context) still has none here
+            if not driver.has_current_context():
+                torch.cuda.set_device(index)
+            handle = driver.create_stream()
     return torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
 
 
