@@ -20,6 +20,7 @@ from kvshm.transfer import (
     TransferOptions,
 )
 from kvshm.transfer.backends.kernel import CompiledLaunch, KernelBackend
+from kvshm.transfer.backends.strided import StridedBackend
 from kvshm.transfer.streams import own_stream
 
 from .helpers import open_region, placements, region_bytes, unpadded
@@ -226,6 +227,41 @@ def test_unpinned_region_copies_by_dma_and_refuses_the_kernel(
     run(pair.gpu_to_cpu_handler, 1, (GPULoadStoreSpec(ids, [8], [0]), CPULoadStoreSpec(ids)))
     rows = region_bytes(other)
     assert np.array_equal(rows[:, 64 * KIB : 128 * KIB], gpu[0].cpu().numpy().view(np.uint8))
+    pair.shutdown()
+
+
+@pytest.mark.parametrize("regions", [(32, 8 * 16 * KIB)], indirect=True)
+def test_a_layer_outer_cache_in_one_allocation_moves_by_2d_copies_byte_exact(
+    regions: list[SharedOffloadRegion], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.33's layout: one allocation, layer l's pages from l * blocks * page on."""
+    layers, page, blocks, count = 8, 16 * KIB, 48, 32
+    region = regions[0]
+    backing = torch.randint(-128, 128, (layers, blocks, page), dtype=torch.int8, device="cuda")
+    refs = [[CanonicalKVCacheRef(layer, page) for layer in range(layers)]]
+    calls: list[int] = []
+    copy_uniform = StridedBackend.copy_uniform
+
+    def counted(self: StridedBackend, job: Any, stream: Any, after: Any = None) -> None:
+        calls.append(len(job.gpu_ids))
+        copy_uniform(self, job, stream, after)
+
+    monkeypatch.setattr(StridedBackend, "copy_uniform", counted)
+    pair = CpuGpuOffloadingHandlers(list(backing), region, 1, refs, backend="strided")
+    rng = np.random.default_rng(7)
+    gpu_ids, cpu_ids = rng.permutation(blocks)[:count], rng.permutation(count)
+    gpu_spec = GPULoadStoreSpec(gpu_ids, [count], [0])
+    run(pair.gpu_to_cpu_handler, 1, (gpu_spec, CPULoadStoreSpec(cpu_ids)))
+    on_gpu = torch.from_numpy(gpu_ids).cuda()
+    sent = backing[:, on_gpu].permute(1, 0, 2).reshape(count, -1).cpu().numpy().view(np.uint8)
+    assert np.array_equal(region_bytes(region)[cpu_ids, : layers * page], sent)
+    original = backing.clone()
+    backing.fill_(0x33)
+    run(pair.cpu_to_gpu_handler, 2, (CPULoadStoreSpec(cpu_ids), gpu_spec))
+    assert torch.equal(backing[:, on_gpu], original[:, on_gpu])
+    untouched = torch.from_numpy(np.setdiff1d(np.arange(blocks), gpu_ids)).cuda()
+    assert bool((backing[:, untouched] == 0x33).all())
+    assert calls == [count, count]  # each job by one 2-D copy a block, not by DMA
     pair.shutdown()
 
 

@@ -17,7 +17,7 @@ from kvshm.transfer.uniform import UniformLayout
 log = logging.getLogger(__name__)
 
 BACKEND_ENV = "KVSHM_TRANSFER_BACKEND"
-BACKEND_NAMES = ("dma", "kernel", "staged", "cpu")
+BACKEND_NAMES = ("dma", "kernel", "staged", "strided", "cpu")
 
 
 def _default_kernel_below() -> dict[Direction, int]:
@@ -84,6 +84,11 @@ class BackendChooser:
         self._override = override
         for name, reason in unavailable.items():
             log.info("copy backend %s not used for %s: %s", name, direction.value, reason)
+
+    @property
+    def override(self) -> str | None:
+        """The backend every job gets, or None where one is picked per job."""
+        return self._override
 
     @property
     def names(self) -> list[str]:

@@ -16,8 +16,11 @@ from functools import partial
 import torch
 
 from kvshm.transfer.backends.base import CopyBackend, Stream
+from kvshm.transfer.backends.cuda_driver import cuda_driver
+from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.factory import build_backends
 from kvshm.transfer.backends.staged import StagedBackend
+from kvshm.transfer.backends.strided import StridedBackend, strided_refusal
 from kvshm.transfer.chooser import BackendChooser, BackendPolicy, override_from_env
 from kvshm.transfer.errors import (
     HandlerClosedError,
@@ -74,6 +77,24 @@ def _why_not_staged(
     return None
 
 
+def _strided_backend(
+    backends: dict[str, CopyBackend],
+    unavailable: dict[str, str],
+    layout: UniformLayout | None,
+    gpu_to_cpu: bool,
+) -> StridedBackend | None:
+    """The strided backend, added to `backends`, where the layout and DMA allow it; else the
+    reason, added to `unavailable`."""
+    dma = backends.get("dma")
+    reason = strided_refusal(layout) if isinstance(dma, DmaBackend) else unavailable.get("dma")
+    if reason is not None or layout is None or not isinstance(dma, DmaBackend):
+        unavailable["strided"] = reason or "no DMA backend"
+        return None
+    strided = StridedBackend(cuda_driver(), dma, layout, gpu_to_cpu)
+    backends["strided"] = strided
+    return strided
+
+
 def _timeline_for(device: torch.device, options: TransferOptions) -> Timeline:
     """Where the jobs run: the caller's thread on CUDA streams, or a thread of the CPU's."""
     if device.type == "cpu":
@@ -91,8 +112,8 @@ class SingleDirectionOffloadingHandler:
     CPU tensors as the "GPU" tensors the handler runs on the CPU backend (for tests without a
     GPU).
 
-    backend forces one backend ("dma", "kernel" or "cpu"; default: $KVSHM_TRANSFER_BACKEND,
-    else chosen per job by block size and direction).
+    backend forces one backend ("dma", "kernel", "staged", "strided" or "cpu"; default:
+    $KVSHM_TRANSFER_BACKEND, else chosen per job by block size and direction).
 
     The arguments are vLLM 0.33's: a CPU tensor's block holds blocks_per_chunk GPU blocks, and
     layer_refs_per_group lists per KV-cache group the (tensor_idx, page_size_bytes) it copies
@@ -152,6 +173,10 @@ class SingleDirectionOffloadingHandler:
         )
         if why_not is not None:
             unavailable.setdefault("staged", why_not)
+        layout = UniformLayout.of(
+            pairs.gpu, pairs.cpu, block_size_factor, self.kv_cache_groups_data_refs
+        )
+        self._strided = _strided_backend(backends, unavailable, layout, self.gpu_to_cpu)
         self._chooser = BackendChooser(
             backends,
             unavailable,
@@ -163,9 +188,6 @@ class SingleDirectionOffloadingHandler:
         # the common layout's jobs skip the general planning where staging takes them anyway:
         # the chooser's own pick (None) where it stages every job of the layout, and "staged"
         # where it is named for the job, its cells fitting a buffer
-        layout = UniformLayout.of(
-            pairs.gpu, pairs.cpu, block_size_factor, self.kv_cache_groups_data_refs
-        )
         staged = self._chooser.staged()
         self._uniform: tuple[UniformLayout, StagedBackend] | None = None
         self._uniform_picks: set[str | None] = set()
@@ -208,10 +230,15 @@ class SingleDirectionOffloadingHandler:
         # compute stream, and with async scheduling nothing else orders that before the load)
         after = self._timeline.caller_stream()
         named = self._backend_name()
-        uniform = self._uniform_job(named, spec)
+        strided = self._strided_job(named, spec)
+        uniform = self._uniform_job(named, spec) if strided is None else None
         work: Callable[[Stream], object]
         backend: CopyBackend
-        if uniform is not None and self._uniform is not None:
+        if strided is not None and self._strided is not None:
+            backend = self._strided
+            work = partial(self._strided.copy_uniform, strided, after=after)
+            size = strided.total_bytes
+        elif uniform is not None and self._uniform is not None:
             layout, staged = self._uniform
             backend = staged
             work = partial(staged.copy_uniform, layout, uniform, after=after)
@@ -234,9 +261,17 @@ class SingleDirectionOffloadingHandler:
         named = self._backend_name()
         if named is not None:
             return named
+        if self._chooser.override is not None:
+            return self._chooser.override
         if self._uniform_job(None, (src_spec, dst_spec)) is not None:
             return "staged"
         return self._chooser.choose(self._planner.plan((src_spec, dst_spec))).name
+
+    def _strided_job(self, named: str | None, spec: object) -> UniformJob | None:
+        """The job, where the strided backend is named for it and can take it."""
+        if self._strided is None or (named or self._chooser.override) != "strided":
+            return None
+        return self._strided.layout.job(spec, self.gpu_to_cpu)
 
     def _uniform_job(self, named: str | None, spec: object) -> UniformJob | None:
         """The job on the uniform staged path, or None where it takes the general one."""

@@ -10,7 +10,7 @@ from prometheus_client import Counter, Histogram
 
 FinishedJob = tuple[int, float, str]
 """A retired job: its bytes, its seconds, and the backend that moved it (one of the few copy
-backend names: dma, kernel, staged, cpu)."""
+backend names: dma, kernel, staged, strided, cpu)."""
 
 
 class Direction(StrEnum):

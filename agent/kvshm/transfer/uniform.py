@@ -24,6 +24,7 @@ from kvshm.transfer.pointers import RowGeometry
 from kvshm.transfer.specs import CanonicalKVCacheRef
 
 Int64s = npt.NDArray[np.int64]
+MAX_PITCH = (1 << 31) - 1  # the largest row pitch a 2-D copy takes (CU_DEVICE_ATTRIBUTE_MAX_PITCH)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,22 @@ class UniformLayout:
     @property
     def mean_page_bytes(self) -> int:
         return self.block_bytes // self.refs
+
+    def layer_pitch(self) -> int | None:
+        """The bytes between consecutive pages of a block on the GPU where they lie at one
+        stride and back to back in the cell, so that one 2-D copy moves a block (vLLM 0.33's
+        layer-outer KV cache: one allocation, layer l of block b at l * layer_stride + b *
+        page); else None."""
+        page, refs = int(self.page[0]), self.refs
+        if refs < 2 or np.any(self.page != page) or np.any(self.gpu_stride != self.gpu_stride[0]):
+            return None
+        if np.any(self.cell_offset != np.arange(refs, dtype=np.int64) * page):
+            return None
+        steps = np.diff(self.gpu_base)
+        pitch = int(steps[0])
+        if np.any(steps != pitch) or not page <= pitch <= MAX_PITCH:
+            return None
+        return pitch
 
     def job(self, spec: object, gpu_to_cpu: bool) -> UniformJob | None:
         """The job's ids if the spec is a valid uniform job, else None (the general planner

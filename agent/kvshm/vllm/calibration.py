@@ -56,7 +56,7 @@ MARGIN = 0.03  # times within this of the fastest are a tie: runs of a few ms te
 # How much of the engine's compute each backend takes (docs/transfer.md F9: matrix products
 # beside DMA took 0.92-1.13x as long, beside staging 1.11-1.16x, beside the copy kernel
 # 1.25-1.61x); a tie goes to the backend that takes the least, the measurement not seeing it.
-SM_USE = {"dma": 0, "cpu": 0, "staged": 1, "kernel": 2}
+SM_USE = {"dma": 0, "cpu": 0, "strided": 0, "staged": 1, "kernel": 2}
 # How much slower the issuing thread may run than during the measurement: on the lent H100
 # hosts one process's Python ran 1.5-2x slower at times, a neighbour sharing its core
 # (docs/transfer.md F25, F29). A trial is judged at that speed, taking at least SLOW_CPU times

@@ -39,7 +39,7 @@ class PluginSettings:
     """The region's instanceId: vLLM's engine_id unless kvshm_instance_id is given."""
     attach_timeout_s: float
     backend: str | None
-    """Force one kvshm copy backend (dma, kernel, staged); None chooses per job."""
+    """Force one kvshm copy backend (dma, kernel, staged, strided); None chooses per job."""
     pin: bool
     """Register the region with CUDA (in the background; the first transfer waits for it)."""
     calibrate: bool = True

@@ -44,6 +44,39 @@ class CUmemcpyAttributes(ctypes.Structure):
     ]
 
 
+CU_MEMORYTYPE_UNIFIED = 4  # an address the driver resolves itself (unified addressing)
+
+
+class CUDA_MEMCPY2D(ctypes.Structure):
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
+
+    @classmethod
+    def rows(cls, width: int, height: int) -> CUDA_MEMCPY2D:
+        """`height` rows of `width` bytes between unified addresses (set the four address
+        and pitch fields per copy)."""
+        params = cls()
+        params.srcMemoryType = params.dstMemoryType = CU_MEMORYTYPE_UNIFIED
+        params.WidthInBytes, params.Height = width, height
+        return params
+
+
 @dataclass(frozen=True)
 class CopyDirection:
     """Where a batch's sources and destinations live, for the driver's attribute hints."""
@@ -91,6 +124,10 @@ class CudaDriver:
         self._stream_create = self._lib.cuStreamCreate
         self._stream_create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         self._stream_create.restype = ctypes.c_int
+        self._memcpy_2d = getattr(self._lib, "cuMemcpy2DAsync_v2", None)
+        if self._memcpy_2d is not None:
+            self._memcpy_2d.argtypes = [ctypes.POINTER(CUDA_MEMCPY2D), ctypes.c_void_p]
+            self._memcpy_2d.restype = ctypes.c_int
         self._current_context = self._lib.cuCtxGetCurrent
         self._current_context.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         self._current_context.restype = ctypes.c_int
@@ -150,6 +187,13 @@ class CudaDriver:
     def memcpy(self, dst: int, src: int, size: int, stream: int) -> int:
         """cuMemcpyAsync (unified addressing picks the direction); returns the CUresult."""
         return int(self._memcpy_async(dst, src, size, stream))
+
+    def memcpy_2d(self, params: CUDA_MEMCPY2D, stream: int) -> int:
+        """cuMemcpy2DAsync: Height rows of WidthInBytes from srcDevice (rows srcPitch apart) to
+        dstDevice (dstPitch apart); returns the CUresult."""
+        if self._memcpy_2d is None:
+            return CUDA_ERROR_NOT_SUPPORTED
+        return int(self._memcpy_2d(ctypes.byref(params), stream))
 
     def create_stream(self) -> int:
         """A new non-blocking stream in the calling thread's current context (make the device
