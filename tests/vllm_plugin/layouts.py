@@ -57,9 +57,9 @@ MULTI_GROUP = KvLayout("two-groups", 8, 2 * 16 * KIB, groups=2)
 def canonical_kv_caches(
     layout: KvLayout, num_blocks: int, device: str | torch.device, seed: int = 0
 ) -> object:
-    """vLLM's CanonicalKVCaches for the layout: one int8 tensor per layer (or one for the
-    whole block, block-outer), filled with a distinct random pattern, layers dealt
-    round-robin into the groups."""
+    """vLLM's CanonicalKVCaches for the layout: an int8 tensor per layer (or one for the
+    whole block, block-outer), views of one allocation filled with a random pattern, layers
+    dealt round-robin into the groups."""
     from vllm.v1.kv_offload.base import (
         CanonicalKVCacheRef,
         CanonicalKVCaches,
@@ -67,10 +67,13 @@ def canonical_kv_caches(
     )
 
     generator = torch.Generator().manual_seed(seed)
-    tensors = []
-    for page in layout.tensor_pages:
-        data = torch.randint(-128, 128, (num_blocks, page), dtype=torch.int8, generator=generator)
-        tensors.append(CanonicalKVCacheTensor(data.to(device), page))
+    pages = layout.tensor_pages
+    # one allocation, as vLLM 0.33's allocate_kv_cache makes: layer-outer, layer l's pages
+    # from l * num_blocks * page on
+    backing = torch.randint(
+        -128, 128, (len(pages), num_blocks, pages[0]), dtype=torch.int8, generator=generator
+    ).to(device)
+    tensors = [CanonicalKVCacheTensor(backing[i], page) for i, page in enumerate(pages)]
     groups: list[list[object]] = [[] for _ in range(layout.groups)]
     for index, page in enumerate(layout.tensor_pages):
         groups[index % layout.groups].append(CanonicalKVCacheRef(index, page))

@@ -282,7 +282,7 @@ def test_replicated_layout_every_rank_uses_the_one_copy(engine: Engine) -> None:
         ({"kvshm_region_dir": "relative/dir"}, "must be an absolute path"),
         ({"kvshm_instance_id": "../escape"}, "is not allowed"),
         ({"kvshm_attach_timeout_s": "soon"}, "must be a number of seconds"),
-        ({"kvshm_backend": "fastest"}, "must be one of auto, dma, kernel, staged, cpu"),
+        ({"kvshm_backend": "fastest"}, "must be one of auto, dma, kernel, staged, strided, cpu"),
         ({"kvshm_pin": "maybe"}, "kvshm_pin must be true or false"),
     ],
 )

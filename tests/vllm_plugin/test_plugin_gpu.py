@@ -39,10 +39,10 @@ SHM = "/dev/shm"
 CHUNKS = 24
 GPU_BLOCKS = 40
 CASES = [
-    (layout, blocks_per_chunk, 4 if "tp4" in layout.name else 1)
+    (layout, blocks_per_chunk, 4 if "tp4" in layout.name else 1, None)
     for layout in (*REAL_LAYOUTS, *BLOCK_OUTER_LAYOUTS, MULTI_GROUP)
     for blocks_per_chunk in (1, 2)
-]
+] + [(layout, 1, 4 if "tp4" in layout.name else 1, "strided") for layout in REAL_LAYOUTS[:3]]
 
 
 @dataclass
@@ -73,18 +73,18 @@ def groups_of(layout: KvLayout, total: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("layout", "blocks_per_chunk", "workers"),
+    ("layout", "blocks_per_chunk", "workers", "backend"),
     CASES,
-    ids=[f"{c[0].name}-bpc{c[1]}" for c in CASES],
+    ids=[f"{c[0].name}-bpc{c[1]}" + (f"-{c[3]}" if c[3] else "") for c in CASES],
 )
 def test_cuda_stores_and_loads_match_vllms_views(
-    layout: KvLayout, blocks_per_chunk: int, workers: int
+    layout: KvLayout, blocks_per_chunk: int, workers: int, backend: str | None
 ) -> None:
     with attached(layout, blocks_per_chunk, workers) as a:
         instance_id, path, cell, region = a.instance_id, a.path, a.cell, a.region
         kv = canonical_kv_caches(layout, GPU_BLOCKS, "cuda")
         worker = KvshmOffloadingWorker(
-            kv, region, blocks_per_chunk, region_dir=SHM, instance_id=instance_id
+            kv, region, blocks_per_chunk, region_dir=SHM, instance_id=instance_id, backend=backend
         )
         assert is_held(path)
         rng = np.random.default_rng(len(layout.name) * blocks_per_chunk)
@@ -95,6 +95,8 @@ def test_cuda_stores_and_loads_match_vllms_views(
         assert result.success and result.transfer_size == job_bytes(store, kv)
         assert worker.pin is not None and worker.pin.pinned and region.is_pinned
         assert worker.first_transfer_wait_seconds is not None
+        if backend is not None:
+            assert set(worker.handler_backends()["store"]) >= {backend}
         print(
             f"\n{layout.name} bpc={blocks_per_chunk}: created in {worker.create_seconds:.3f}s, "
             f"registration {worker.pin.pin_seconds:.3f}s, first transfer waited "
