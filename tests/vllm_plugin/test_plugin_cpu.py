@@ -199,7 +199,7 @@ def test_layer_pages_that_would_be_staged_get_the_block_outer_hint(layout: KvLay
     assert (hint is not None) == staged
     if hint is not None:
         assert f"{layout.layers} KV tensors of {layout.page_bytes // 1024} KiB pages" in hint
-        assert "VLLM_KV_CACHE_LAYOUT=BLHNC" in hint
+        assert "VLLM_KV_CACHE_LAYOUT=BLHNC" in hint and "kvshm_backend: strided" in hint
 
 
 def test_a_region_of_another_geometry_is_refused_naming_both(engine: Engine) -> None:
