@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvshm.transfer.backends.base import CopyBackend
 from kvshm.transfer.backends.staged import StagedBackend
+from kvshm.transfer.backends.strided import StridedBackend
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.errors import BackendUnavailableError
 from kvshm.transfer.metrics import Direction
@@ -114,6 +115,10 @@ class BackendChooser:
     def staged(self) -> StagedBackend | None:
         staged = self._backends.get("staged")
         return staged if isinstance(staged, StagedBackend) else None
+
+    def strided(self) -> StridedBackend | None:
+        strided = self._backends.get("strided")
+        return strided if isinstance(strided, StridedBackend) else None
 
     def staged_for_uniform(self, layout: UniformLayout) -> StagedBackend | None:
         """The staged backend if it is what choose() picks for every job of this uniform

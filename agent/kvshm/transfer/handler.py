@@ -16,11 +16,8 @@ from functools import partial
 import torch
 
 from kvshm.transfer.backends.base import CopyBackend, Stream
-from kvshm.transfer.backends.cuda_driver import cuda_driver
-from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.factory import build_backends
 from kvshm.transfer.backends.staged import StagedBackend
-from kvshm.transfer.backends.strided import StridedBackend, strided_refusal
 from kvshm.transfer.chooser import BackendChooser, BackendPolicy, override_from_env
 from kvshm.transfer.errors import (
     HandlerClosedError,
@@ -75,24 +72,6 @@ def _why_not_staged(
             f"policy stages copies under {policy.staged_below_copy_bytes} bytes)"
         )
     return None
-
-
-def _strided_backend(
-    backends: dict[str, CopyBackend],
-    unavailable: dict[str, str],
-    layout: UniformLayout | None,
-    gpu_to_cpu: bool,
-) -> StridedBackend | None:
-    """The strided backend, added to `backends`, where the layout and DMA allow it; else the
-    reason, added to `unavailable`."""
-    dma = backends.get("dma")
-    reason = strided_refusal(layout) if isinstance(dma, DmaBackend) else unavailable.get("dma")
-    if reason is not None or layout is None or not isinstance(dma, DmaBackend):
-        unavailable["strided"] = reason or "no DMA backend"
-        return None
-    strided = StridedBackend(cuda_driver(), dma, layout, gpu_to_cpu)
-    backends["strided"] = strided
-    return strided
 
 
 def _timeline_for(device: torch.device, options: TransferOptions) -> Timeline:
@@ -168,15 +147,14 @@ class SingleDirectionOffloadingHandler:
         why_not = _why_not_staged(pairs.cpu, self.kv_cache_groups_data_refs, policy)
         wanted = {override} if self._named is None else set(self._named)
         staging = "staged" in wanted or (None in wanted and why_not is None)
-        backends, unavailable = build_backends(
-            pairs, self.kv_cache_groups_data_refs, self.gpu_to_cpu, options, staging
-        )
-        if why_not is not None:
-            unavailable.setdefault("staged", why_not)
         layout = UniformLayout.of(
             pairs.gpu, pairs.cpu, block_size_factor, self.kv_cache_groups_data_refs
         )
-        self._strided = _strided_backend(backends, unavailable, layout, self.gpu_to_cpu)
+        backends, unavailable = build_backends(
+            pairs, self.kv_cache_groups_data_refs, self.gpu_to_cpu, options, staging, layout
+        )
+        if why_not is not None:
+            unavailable.setdefault("staged", why_not)
         self._chooser = BackendChooser(
             backends,
             unavailable,
@@ -188,6 +166,7 @@ class SingleDirectionOffloadingHandler:
         # the common layout's jobs skip the general planning where staging takes them anyway:
         # the chooser's own pick (None) where it stages every job of the layout, and "staged"
         # where it is named for the job, its cells fitting a buffer
+        self._strided = self._chooser.strided()  # taken only where named (_strided_job)
         staged = self._chooser.staged()
         self._uniform: tuple[UniformLayout, StagedBackend] | None = None
         self._uniform_picks: set[str | None] = set()
@@ -261,8 +240,6 @@ class SingleDirectionOffloadingHandler:
         named = self._backend_name()
         if named is not None:
             return named
-        if self._chooser.override is not None:
-            return self._chooser.override
         if self._uniform_job(None, (src_spec, dst_spec)) is not None:
             return "staged"
         return self._chooser.choose(self._planner.plan((src_spec, dst_spec))).name

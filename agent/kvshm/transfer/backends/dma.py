@@ -80,13 +80,10 @@ class DmaBackend(CopyBackend):
         for start in range(0, batch.count, self._per_call):
             count = min(self._per_call, batch.count - start)
             offset = start * _WORD
-            code = self._driver.memcpy_batch(
-                dst + offset, src + offset, sizes + offset, count, self._attributes, stream
-            )
+            call = (dst + offset, src + offset, sizes + offset, count, self._attributes, stream)
+            code = self._driver.memcpy_batch(*call)
             if code == CUDA_ERROR_INVALID_VALUE and start == 0 and self._made_context_current():
-                code = self._driver.memcpy_batch(
-                    dst + offset, src + offset, sizes + offset, count, self._attributes, stream
-                )
+                code = self._driver.memcpy_batch(*call)
             if code == CUDA_SUCCESS:
                 continue
             if start == 0 and code in (CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED):

@@ -13,10 +13,12 @@ from kvshm.transfer.backends.cuda_driver import CopyDirection, cuda_driver
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend, triton_missing_reason, unmapped_reason
 from kvshm.transfer.backends.staged import StagedBackend
+from kvshm.transfer.backends.strided import StridedBackend, strided_refusal
 from kvshm.transfer.errors import BackendUnavailableError
 from kvshm.transfer.options import TransferOptions
 from kvshm.transfer.specs import CanonicalKVCacheRef
 from kvshm.transfer.tensors import ALIGNMENT, TensorPairs
+from kvshm.transfer.uniform import UniformLayout
 
 log = logging.getLogger(__name__)
 
@@ -29,24 +31,27 @@ def build_backends(
     gpu_to_cpu: bool,
     options: TransferOptions,
     staging: bool = False,
+    layout: UniformLayout | None = None,
 ) -> Backends:
     """The usable backends by name, and why each other one cannot be used. `staging` builds
-    the staged backend, which reserves its device buffers now."""
+    the staged backend, which reserves its device buffers now; `layout` (the handler's
+    uniform layout, if any) decides whether the strided backend can take its jobs."""
     reason: str | None
+    gpu_backends = ("dma", "kernel", "staged", "strided")
     if pairs.device.type == "cpu":
         reason = "the 'GPU' tensors are CPU tensors"
-        return {"cpu": CpuMemmoveBackend()}, {"dma": reason, "kernel": reason, "staged": reason}
+        return {"cpu": CpuMemmoveBackend()}, dict.fromkeys(gpu_backends, reason)
     unavailable = {"cpu": f"the GPU tensors are on {pairs.device}, which memmove cannot reach"}
     if pairs.device.type != "cuda":
         reason = f"kvshm copies to CUDA devices only, not {pairs.device}"
-        return {}, {**unavailable, "dma": reason, "kernel": reason, "staged": reason}
+        return {}, {**unavailable, **dict.fromkeys(gpu_backends, reason)}
     device_index = pairs.device.index
     if device_index is None:
         device_index = torch.cuda.current_device()
     try:
         driver = cuda_driver()
     except BackendUnavailableError as exc:
-        return {}, {**unavailable, "dma": str(exc), "kernel": str(exc), "staged": str(exc)}
+        return {}, {**unavailable, **dict.fromkeys(gpu_backends, str(exc))}
     dma = DmaBackend(
         driver,
         CopyDirection(gpu_to_cpu, device_index),
@@ -54,6 +59,11 @@ def build_backends(
         options.use_batch_call,
     )
     backends: dict[str, CopyBackend] = {"dma": dma}
+    refusal = strided_refusal(layout)
+    if refusal is not None:
+        unavailable["strided"] = refusal
+    elif layout is not None:
+        backends["strided"] = StridedBackend(driver, dma, layout, gpu_to_cpu)
     torch.cuda.synchronize(device_index)  # binds the device's context to this thread
     reason = triton_missing_reason()
     if reason is None and not pairs.all_aligned(group_refs):
