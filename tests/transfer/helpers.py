@@ -1,10 +1,13 @@
-"""Shared test helpers: regions in a temporary directory and where a job's bytes must land."""
+"""Shared test helpers: regions in a temporary directory, where a job's bytes must land, and
+work on a thread with no CUDA context."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -71,3 +74,20 @@ def placements(
                 )
         gpu_at += size
         cpu_at += (start + size - 1) // factor - first_block + 1
+
+
+T = TypeVar("T")
+
+
+def on_a_new_thread(work: Callable[[], T]) -> T:
+    """work()'s result (or its exception), run on a thread started now, which has no CUDA
+    context current. Fails if that thread had one: the test would show nothing."""
+    from kvshm.transfer.backends.cuda_driver import cuda_driver
+
+    def run() -> tuple[bool, T]:
+        return cuda_driver().has_current_context(), work()
+
+    with ThreadPoolExecutor(max_workers=1) as pool:  # its one thread starts with the job
+        had_context, result = pool.submit(run).result()
+    assert had_context is False, "the new thread had a CUDA context already"
+    return result

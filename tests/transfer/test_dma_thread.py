@@ -4,8 +4,6 @@ copy moved 3-10 GB/s where the batch call moves 51 (H100, docs/transfer.md F43).
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -13,6 +11,8 @@ from kvshm.transfer.backends.cuda_driver import CopyDirection, cuda_driver
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.streams import give_back, own_stream
+
+from .helpers import on_a_new_thread
 
 pytestmark = pytest.mark.gpu
 
@@ -31,23 +31,14 @@ def test_a_thread_without_a_context_keeps_the_batch_call_byte_exact() -> None:
     batch.rows[2] = PAGE
     dma = DmaBackend(cuda_driver(), CopyDirection(True, device.index))
     stream = own_stream(device)
-    seen: dict[str, object] = {}
 
-    def issue() -> None:
-        try:
-            seen["context before"] = cuda_driver().has_current_context()
-            dma.issue(batch.with_total(BLOCKS * PAGE), stream)
-            seen["context after"] = cuda_driver().has_current_context()
-        except Exception as exc:  # reported below, not lost in the thread
-            seen["error"] = exc
+    def issue() -> bool:
+        dma.issue(batch.with_total(BLOCKS * PAGE), stream)
+        return cuda_driver().has_current_context()
 
-    thread = threading.Thread(target=issue)
-    thread.start()
-    thread.join()
+    context_after = on_a_new_thread(issue)
     stream.synchronize()
     give_back(stream)
-    assert "error" not in seen, seen
-    assert seen["context before"] is False  # else this test shows nothing
-    assert seen["context after"] is True
+    assert context_after is True
     assert dma.uses_batch, "the backend fell back to a call per copy"
     assert torch.equal(host, gpu[order.to(device)].cpu())

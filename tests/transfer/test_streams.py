@@ -3,13 +3,13 @@ work, and one given back is lent again."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from kvshm.transfer import streams
 from kvshm.transfer.streams import give_back, own_stream
+
+from .helpers import on_a_new_thread
 
 pytestmark = pytest.mark.gpu
 
@@ -43,28 +43,14 @@ def test_a_stream_given_back_is_lent_again() -> None:
 
 
 def test_a_thread_without_a_context_gets_a_stream_that_runs_work() -> None:
-    from kvshm.transfer.backends.cuda_driver import cuda_driver
-
     device = torch.device("cuda", torch.cuda.current_device())
     # take every stream given back earlier, so that the thread's is created there
     taken = [own_stream(device) for _ in streams._free.get(device.index, []).copy()]
-    seen: dict[str, object] = {}
-
-    def create() -> None:
-        try:
-            seen["context before"] = cuda_driver().has_current_context()
-            seen["stream"] = own_stream(device)
-        except Exception as exc:  # reported below, not lost in the thread
-            seen["error"] = exc
-
-    thread = threading.Thread(target=create)
-    thread.start()
-    thread.join()
-    for stream in taken:
-        give_back(stream)
-    assert "error" not in seen, seen
-    assert seen["context before"] is False  # else this test shows nothing
-    stream = seen["stream"]
+    try:
+        stream = on_a_new_thread(lambda: own_stream(device))
+    finally:
+        for each in taken:
+            give_back(each)
     assert isinstance(stream, torch.cuda.ExternalStream)
     x = torch.arange(1 << 16, device=device)
     with torch.cuda.stream(stream):
