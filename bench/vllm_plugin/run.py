@@ -125,6 +125,7 @@ def link(reps: int) -> dict[str, Any]:
 
 
 CALIBRATE: list[Any] = []  # (c)'s ChoiceCache (fresh per run): the plugin measures by default
+PLUGIN_BACKEND: list[str] = []  # (c)'s kvshm_backend, where --backend names one
 
 
 def build_plugin(kv: Any, chunks: int, cell: int, workers: int) -> Built:
@@ -140,6 +141,7 @@ def build_plugin(kv: Any, chunks: int, cell: int, workers: int) -> Built:
         region_dir=SHM,
         instance_id=instance_id,
         listen_for_drain=False,
+        backend=PLUGIN_BACKEND[0] if PLUGIN_BACKEND else None,
         calibration=CALIBRATE[0] if CALIBRATE else None,
     )
     seconds = time.perf_counter() - started
@@ -374,6 +376,11 @@ def main() -> None:
         "transfer (the plugin's default, kvshm_calibrate, with a fresh cache here)",
     )
     parser.add_argument(
+        "--backend",
+        help="(c)'s kvshm_backend: copy-engines (measured among the backends that use no SMs) "
+        "or one backend by name (default: auto)",
+    )
+    parser.add_argument(
         "--start-gib", type=float, default=64.0, help="region for the start-up figure (0: skip)"
     )
     args = parser.parse_args()
@@ -384,6 +391,8 @@ def main() -> None:
     if not layouts:
         sys.exit(f"no layout matches {args.layouts!r}: {[x.name for x in every]}")
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    if args.backend:
+        PLUGIN_BACKEND.append(args.backend)
     if not args.no_calibrate:
         from kvshm.vllm.calibration import ChoiceCache
 

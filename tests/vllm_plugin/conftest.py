@@ -48,3 +48,19 @@ def calibration_cache_home(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> No
     """The plugin measures its copy backends by default and caches the choice under
     $XDG_CACHE_HOME: each test gets its own, so none reads another's choice or writes to ~."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def measurements(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every kvshm.vllm.calibration.Measurement the plugin takes in the test, in order."""
+    from kvshm.vllm import calibration
+
+    measured: list[Any] = []
+    real = calibration.measure
+
+    def keeping(*args: Any, **kwargs: Any) -> Any:
+        measured.append(real(*args, **kwargs))
+        return measured[-1]
+
+    monkeypatch.setattr(calibration, "measure", keeping)
+    return measured

@@ -29,16 +29,9 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(
     engine: Engine,
     region: str,  # noqa: F811
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    measurements: list[calibration.Measurement],
 ) -> None:
-    measured: list[calibration.Measurement] = []
-    real = calibration.measure
-
-    def counting(*args: Any, **kwargs: Any) -> calibration.Measurement:
-        measured.append(real(*args, **kwargs))
-        return measured[-1]
-
-    monkeypatch.setattr(calibration, "measure", counting)
+    measured = measurements
     kv = canonical_kv_caches(KvLayout("tiny", TINY_LAYERS, TINY_PAGE), GPU_BLOCKS, "cpu")
     for attempt in range(2):
         spec = spec_of(engine)
@@ -59,6 +52,70 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(
     saved = json.loads((tmp_path / "backend-choices.json").read_text())
     key = layout_key([TINY_PAGE] * TINY_LAYERS, 2)
     assert saved[host_key(kv.tensors[0].tensor.device)][key] == dict.fromkeys(CHOICES, "cpu")
+
+
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_copy_engines_chooses_among_the_backends_that_leave_the_sms_alone(
+    engine: Engine,
+    region: str,  # noqa: F811
+    tmp_path: Path,
+    calibrate: bool,
+) -> None:
+    """kvshm_backend: copy-engines. On a CPU machine memmove is the one such backend; the
+    choice is kept under a key of its own, apart from the unrestricted one."""
+    from kvshm.vllm.settings import PluginSettings
+
+    kv = canonical_kv_caches(KvLayout("tiny", TINY_LAYERS, TINY_PAGE), GPU_BLOCKS, "cpu")
+    spec = spec_of(engine)
+    extra = {"kvshm_backend": "copy-engines", "kvshm_calibrate": calibrate}
+    settings = PluginSettings.from_extra_config(extra, engine.engine_id, 0, 1)
+    assert settings.backend == "copy-engines"
+    spec.settings = dataclasses.replace(settings, cache_dir=str(tmp_path))
+    worker = spec.get_worker(kv)
+    job = Job([1, 2, 3], [4, 5], [3], [1])
+    assert worker.submit_store(1, *job.specs())
+    assert finish(worker, {1})[1].success
+    handlers = ("store", "load", "expedited_load")
+    assert worker.handler_backends() == {name: ["cpu"] for name in handlers}
+    worker.shutdown()
+    saved = tmp_path / "backend-choices.json"
+    if not calibrate:
+        assert worker.chosen_backends == {} and not saved.exists()
+        return
+    assert worker.chosen_backends == dict.fromkeys(CHOICES, "cpu")
+    key = layout_key([TINY_PAGE] * TINY_LAYERS, 2, sm_free=True)
+    assert key.endswith("/copy-engines") and key != layout_key([TINY_PAGE] * TINY_LAYERS, 2)
+    (choices,) = json.loads(saved.read_text()).values()
+    assert list(choices) == [key]
+
+
+def test_copy_engines_tries_only_dma_and_the_strided_backend() -> None:
+    every = ["dma", "kernel", "staged", "strided"]
+    for pages in ([32 * 1024] * 64, [2 * 1024 * 1024]):
+        assert calibration.worth_trying(every, pages, True, sm_free=True) == ["dma", "strided"]
+    assert calibration.worth_trying(["cpu"], [4096], False, sm_free=True) == ["cpu"]
+
+
+def test_scratch_blocks_lie_as_the_kv_cache_does() -> None:
+    """Layer-outer views of one allocation (vLLM 0.33) get scratch views of one allocation,
+    a pitch of their own blocks apart, so the strided backend is measured; else tensors."""
+    backing = torch.zeros((3, 10, 64), dtype=torch.int8)
+    one = list(backing)
+    assert calibration.one_allocation_pitch(one) == 640
+    scratch = calibration._scratch(one)
+    blocks = scratch[0].shape[0]
+    assert [t.shape for t in scratch] == [torch.Size([blocks, 64])] * 3
+    assert calibration.one_allocation_pitch(scratch) == blocks * 64
+    apart = [torch.zeros((10, 64), dtype=torch.int8) for _ in range(3)]
+    assert calibration.one_allocation_pitch(apart) is None
+    scratch = calibration._scratch(apart)
+    assert len({t.untyped_storage().data_ptr() for t in scratch}) == 3
+    assert calibration.one_allocation_pitch([backing[0], backing[1], backing[2][:5]]) is None
+    assert calibration.one_allocation_pitch([backing[0], backing[2], backing[1]]) is None
+    assert calibration.one_allocation_pitch([backing[0]]) is None
+    rows = backing.view(3, 640)
+    halves = [rows[0, :320].view(5, 64), rows[0, 320:].view(5, 64), rows[2, :320].view(5, 64)]
+    assert calibration.one_allocation_pitch(halves) is None  # uneven steps
 
 
 def test_one_way_and_both_ways_each_get_their_fastest_backends() -> None:
@@ -197,6 +254,8 @@ def test_the_copy_kernel_is_tried_only_for_pages_the_policy_gives_it(
     """It holds SMs for the whole transfer (docs/transfer.md F43): at large pages a trial
     judged at half the CPU's speed chose it over DMA, which moved more."""
     assert calibration.worth_trying(["dma", "kernel", "staged"], pages, gpu_to_cpu) == tried
+    every = ["dma", "kernel", "staged", "strided"]  # strided: under copy-engines only
+    assert calibration.worth_trying(every, pages, gpu_to_cpu) == tried
     assert calibration.worth_trying(["kernel"], pages, gpu_to_cpu) == ["kernel"]  # all there is
     assert calibration.worth_trying(["cpu"], pages, gpu_to_cpu) == ["cpu"]
 

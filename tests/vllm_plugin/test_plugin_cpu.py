@@ -199,7 +199,7 @@ def test_layer_pages_that_would_be_staged_get_the_block_outer_hint(layout: KvLay
     assert (hint is not None) == staged
     if hint is not None:
         assert f"{layout.layers} KV tensors of {layout.page_bytes // 1024} KiB pages" in hint
-        assert "VLLM_KV_CACHE_LAYOUT=BLHNC" in hint and "kvshm_backend: strided" in hint
+        assert "VLLM_KV_CACHE_LAYOUT=BLHNC" in hint and "kvshm_backend: copy-engines" in hint
 
 
 def test_a_region_of_another_geometry_is_refused_naming_both(engine: Engine) -> None:
@@ -282,7 +282,10 @@ def test_replicated_layout_every_rank_uses_the_one_copy(engine: Engine) -> None:
         ({"kvshm_region_dir": "relative/dir"}, "must be an absolute path"),
         ({"kvshm_instance_id": "../escape"}, "is not allowed"),
         ({"kvshm_attach_timeout_s": "soon"}, "must be a number of seconds"),
-        ({"kvshm_backend": "fastest"}, "must be one of auto, dma, kernel, staged, strided, cpu"),
+        (
+            {"kvshm_backend": "fastest"},
+            "must be one of auto, copy-engines, dma, kernel, staged, strided, cpu",
+        ),
         ({"kvshm_pin": "maybe"}, "kvshm_pin must be true or false"),
     ],
 )

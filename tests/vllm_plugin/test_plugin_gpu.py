@@ -164,8 +164,17 @@ def test_a_load_follows_the_writes_queued_to_its_blocks() -> None:
         worker.shutdown()
 
 
+@pytest.mark.parametrize("backend", [None, "copy-engines"])
 @pytest.mark.parametrize("layout", REAL_LAYOUTS[:3], ids=[x.name for x in REAL_LAYOUTS[:3]])
-def test_calibrated_backends_move_the_right_bytes(layout: KvLayout, tmp_path: Path) -> None:
+def test_calibrated_backends_move_the_right_bytes(
+    layout: KvLayout,
+    backend: str | None,
+    tmp_path: Path,
+    measurements: list[Any],
+) -> None:
+    """copy-engines measures the backends that use no SMs, the strided one on scratch blocks
+    in one allocation as the cache is, and chooses among them."""
+    from kvshm.transfer.chooser import SM_FREE_BACKENDS
     from kvshm.vllm.calibration import ChoiceCache
 
     with attached(layout) as a:
@@ -177,13 +186,22 @@ def test_calibrated_backends_move_the_right_bytes(layout: KvLayout, tmp_path: Pa
             1,
             region_dir=SHM,
             instance_id=instance_id,
+            backend=backend,
             calibration=ChoiceCache(tmp_path),
         )
         store = random_job(np.random.default_rng(5), GPU_BLOCKS, CHUNKS, 1, [12], [0])
         assert worker.submit_store(1, *store.specs())
         assert finish(worker, {1})[1].success
-        print(f"\n{layout.name}: calibrated backends {worker.chosen_backends}")
+        (measurement,) = measurements
+        print(f"\n{layout.name} {backend}: {measurement.summary()} -> {worker.chosen_backends}")
         assert set(worker.chosen_backends) == {"store", "load", "store_beside", "load_beside"}
+        strided = {"strided"} <= set(measurement.alone["store"]) & set(measurement.alone["load"])
+        if backend is None:
+            assert not strided, "the strided backend is measured only under copy-engines"
+        else:
+            assert strided, "the scratch blocks did not lie in one allocation as the cache does"
+            assert set(measurement.alone["store"]) <= set(SM_FREE_BACKENDS)
+            assert set(worker.chosen_backends.values()) <= set(SM_FREE_BACKENDS)
         for name in ("store", "store_beside"):
             assert worker.chosen_backends[name] in worker.handler_backends()["store"]
         pages = [t.page_size_bytes for t in kv.tensors]

@@ -19,6 +19,10 @@ log = logging.getLogger(__name__)
 
 BACKEND_ENV = "KVSHM_TRANSFER_BACKEND"
 BACKEND_NAMES = ("dma", "kernel", "staged", "strided", "cpu")
+COPY_ENGINES = "copy-engines"
+"""Not a backend but a choice among those that leave the SMs to the model (SM_FREE_BACKENDS)."""
+SM_FREE_BACKENDS = ("strided", "dma", "cpu")
+"""In the order taken where none was measured: a 2-D copy a block where the layout allows."""
 
 
 def _default_kernel_below() -> dict[Direction, int]:

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from kvshm.transfer import CPULoadStoreSpec, GPULoadStoreSpec, SingleDirectionOffloadingHandler
-from kvshm.transfer.chooser import BACKEND_NAMES, BackendPolicy
+from kvshm.transfer.chooser import BACKEND_NAMES, COPY_ENGINES, SM_FREE_BACKENDS, BackendPolicy
 from kvshm.transfer.metrics import Direction
+from kvshm.transfer.uniform import MAX_PITCH
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,10 @@ def host_key(device: torch.device) -> str:
     return f"{socket.gethostname()}/{name}/driver-{cuda_driver().version}"
 
 
-def layout_key(pages: Sequence[int], blocks_per_chunk: int) -> str:
+def layout_key(pages: Sequence[int], blocks_per_chunk: int, sm_free: bool = False) -> str:
     distinct = sorted(set(pages))
-    return f"{len(pages)}x{'+'.join(map(str, distinct))}B/bpc{blocks_per_chunk}/v{CACHE_VERSION}"
+    key = f"{len(pages)}x{'+'.join(map(str, distinct))}B/bpc{blocks_per_chunk}/v{CACHE_VERSION}"
+    return f"{key}/{COPY_ENGINES}" if sm_free else key
 
 
 CHOICES = ("store", "load", "store_beside", "load_beside")
@@ -143,6 +145,9 @@ class ChoiceCache:
 
 
 def _scratch(gpu_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Scratch GPU blocks shaped as the KV tensors: where those are views of one allocation a
+    fixed pitch apart (vLLM 0.33's layer-outer cache), so are the scratch tensors, so that the
+    strided backend can be measured on them."""
     per_block = sum(t.shape[1] for t in gpu_tensors)
     budget = SCRATCH_BYTES
     device = gpu_tensors[0].device
@@ -150,9 +155,27 @@ def _scratch(gpu_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         free, _ = torch.cuda.mem_get_info(device)
         budget = max(MIN_SCRATCH_BYTES, min(budget, free // 4))
     blocks = max(2, min(MAX_SCRATCH_BLOCKS, budget // per_block))
-    return [
-        torch.empty((blocks, t.shape[1]), dtype=torch.int8, device=t.device) for t in gpu_tensors
-    ]
+    if one_allocation_pitch(gpu_tensors) is not None:
+        backing = torch.empty(
+            (len(gpu_tensors), blocks, gpu_tensors[0].shape[1]), dtype=torch.int8, device=device
+        )
+        return list(backing)
+    return [torch.empty((blocks, t.shape[1]), dtype=torch.int8, device=device) for t in gpu_tensors]
+
+
+def one_allocation_pitch(tensors: Sequence[torch.Tensor]) -> int | None:
+    """The bytes from each tensor's first row to the next tensor's, where the tensors are rows
+    of one shape in one allocation at that pitch (above their own size, no more than a 2-D
+    copy takes); else None."""
+    if len(tensors) < 2 or any(t.shape != tensors[0].shape for t in tensors):
+        return None
+    storage = tensors[0].untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() != storage for t in tensors):
+        return None
+    pitch = tensors[1].data_ptr() - tensors[0].data_ptr()
+    size = tensors[0].shape[0] * tensors[0].stride(0) * tensors[0].element_size()
+    steps = {b.data_ptr() - a.data_ptr() for a, b in itertools.pairwise(tensors)}
+    return pitch if steps == {pitch} and size <= pitch <= MAX_PITCH else None
 
 
 Spec = tuple[GPULoadStoreSpec, CPULoadStoreSpec]
@@ -231,20 +254,29 @@ def _run(
     return submitting
 
 
-def worth_trying(backends: Sequence[str], pages: Sequence[int], gpu_to_cpu: bool) -> list[str]:
-    """The backends the measurement tries for pages of these sizes. The copy kernel holds SMs
-    for the whole transfer: beside it the engine's matrix products lost 6-26 ms per GB moved,
-    beside DMA 0-0.5 (H100, docs/transfer.md F43), so it is tried only where the policy
-    would give it the jobs (pages averaging under its kernel_below_bytes), where the copy
-    engines are bound by their descriptors; pages of 0.9-1.3 MiB, where a trial judged at
-    half the CPU's speed had chosen it, it moved less than DMA does."""
+def worth_trying(
+    backends: Sequence[str], pages: Sequence[int], gpu_to_cpu: bool, sm_free: bool = False
+) -> list[str]:
+    """The backends the measurement tries for pages of these sizes.
+
+    sm_free (kvshm_backend: copy-engines): those that leave the SMs to the model. Otherwise
+    not the strided backend, whose trial on scratch blocks tied with staging's within MARGIN
+    where at scale it moved 5-10 % less both ways (H100), and the copy kernel only where the
+    policy would give it the jobs (pages averaging under its kernel_below_bytes), where the
+    copy engines are bound by their descriptors: it holds SMs for the whole transfer (beside
+    it the engine's matrix products lost 6-26 ms per GB moved, beside DMA 0-0.5, H100,
+    docs/transfer.md F43), and at pages of 0.9-1.3 MiB, where a trial judged at half the
+    CPU's speed had chosen it, it moved less than DMA does."""
+    if sm_free:
+        return [b for b in backends if b in SM_FREE_BACKENDS]
     direction = Direction.GPU_TO_CPU if gpu_to_cpu else Direction.CPU_TO_GPU
     kernel_below = BackendPolicy().kernel_below_bytes.get(direction, 0)
     mean_page = sum(pages) / max(len(pages), 1)
-    others = [b for b in backends if b != "kernel"]
-    if "kernel" in backends and others and mean_page >= kernel_below:
+    tried = [b for b in backends if b != "strided"]
+    others = [b for b in tried if b != "kernel"]
+    if "kernel" in tried and others and mean_page >= kernel_below:
         return others
-    return list(backends)
+    return tried
 
 
 def judged_seconds(wall: float, submitting: float) -> float:
@@ -277,8 +309,10 @@ def measure(
     groups: int,
     blocks_per_chunk: int,
     measure_stores: bool = True,
+    sm_free: bool = False,
 ) -> Measurement:
-    """Every backend each direction may use, alone; and every pair of them both ways at once."""
+    """Every backend each direction may use, alone; and every pair of them both ways at once.
+    sm_free: only those that leave the SMs to the model (SM_FREE_BACKENDS)."""
     work = Workload.of(scratch[0].shape[0], num_chunks, groups, blocks_per_chunk)
     device = scratch[0].device
     ids = itertools.count(1)
@@ -288,7 +322,8 @@ def measure(
         policy: dict[str, str] = {}
         for name, gpu_to_cpu in directions:
             probe = make(gpu_to_cpu, None, scratch)
-            candidates = worth_trying(probe.backends, [t.shape[1] for t in scratch], gpu_to_cpu)
+            pages = [t.shape[1] for t in scratch]
+            candidates = worth_trying(probe.backends, pages, gpu_to_cpu, sm_free)
             gpu, cpu = work.every[0]
             policy[name] = (
                 probe.backend_for(gpu, cpu) if gpu_to_cpu else probe.backend_for(cpu, gpu)
@@ -388,11 +423,13 @@ def choose(
     blocks_per_chunk: int,
     cache: ChoiceCache,
     measure_stores: bool = True,
+    sm_free: bool = False,
 ) -> dict[str, str]:
-    """Measurement.choice(): cached for this host and layout, else measured."""
+    """Measurement.choice(): cached for this host and layout, else measured. sm_free: among
+    the backends that leave the SMs to the model only (kvshm_backend: copy-engines)."""
     device = gpu_tensors[0].device
     host = host_key(device)
-    layout = layout_key([t.shape[1] for t in gpu_tensors], blocks_per_chunk)
+    layout = layout_key([t.shape[1] for t in gpu_tensors], blocks_per_chunk, sm_free)
     cached = cache.get(host, layout)
     if cached is not None:
         log.info("kvshm: copy backends for %s on %s (cached): %s", layout, host, cached)
@@ -400,7 +437,9 @@ def choose(
     started = time.perf_counter()
     scratch = _scratch(gpu_tensors)
     try:
-        measured = measure(make, scratch, num_chunks, groups, blocks_per_chunk, measure_stores)
+        measured = measure(
+            make, scratch, num_chunks, groups, blocks_per_chunk, measure_stores, sm_free
+        )
     finally:
         del scratch
     choice = measured.choice()

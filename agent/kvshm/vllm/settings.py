@@ -8,7 +8,7 @@ from typing import Any
 
 from kvshm.region import validate_instance_id
 from kvshm.region.shared_region import DEFAULT_ATTACH_TIMEOUT_SECONDS, DEFAULT_DIRECTORY
-from kvshm.transfer.chooser import BACKEND_NAMES
+from kvshm.transfer.chooser import BACKEND_NAMES, COPY_ENGINES
 
 REGION_DIR_KEY = "kvshm_region_dir"
 INSTANCE_ID_KEY = "kvshm_instance_id"
@@ -39,7 +39,8 @@ class PluginSettings:
     """The region's instanceId: vLLM's engine_id unless kvshm_instance_id is given."""
     attach_timeout_s: float
     backend: str | None
-    """Force one kvshm copy backend (dma, kernel, staged, strided); None chooses per job."""
+    """Force one kvshm copy backend (dma, kernel, staged, strided); None chooses per job;
+    copy-engines chooses among those that use no SMs (dma, strided)."""
     pin: bool
     """Register the region with CUDA (in the background; the first transfer waits for it)."""
     calibrate: bool = True
@@ -73,9 +74,10 @@ class PluginSettings:
         if not timeout >= 0:
             raise PluginConfigError(f"{ATTACH_TIMEOUT_KEY} must be >= 0, got {timeout}")
         backend = extra.get(BACKEND_KEY)
-        if backend not in (None, "", "auto", *BACKEND_NAMES):
+        if backend not in (None, "", "auto", COPY_ENGINES, *BACKEND_NAMES):
             raise PluginConfigError(
-                f"{BACKEND_KEY} must be one of auto, {', '.join(BACKEND_NAMES)}; got {backend!r}"
+                f"{BACKEND_KEY} must be one of auto, {COPY_ENGINES}, {', '.join(BACKEND_NAMES)}; "
+                f"got {backend!r}"
             )
         return cls(
             region_dir=region_dir,

@@ -14,7 +14,7 @@ import torch
 
 from kvshm.region import SharedOffloadRegion
 from kvshm.transfer import BackendUnavailableError, SingleDirectionOffloadingHandler
-from kvshm.transfer.chooser import BackendPolicy
+from kvshm.transfer.chooser import COPY_ENGINES, SM_FREE_BACKENDS, BackendPolicy
 from kvshm.transfer.traffic import Traffic
 from kvshm.vllm.calibration import ChoiceCache, choose
 from kvshm.vllm.events import Drain, DrainListener
@@ -42,8 +42,8 @@ def block_outer_hint(page_sizes: Sequence[int]) -> str | None:
         f"kvshm: {len(page_sizes)} KV tensors of {smallest // 1024} KiB pages: stores and loads "
         f"are staged through GPU memory by a copy kernel, which takes SM time from the model; "
         f"with VLLM_KV_CACHE_LAYOUT=BLHNC (block-outer) each block is one page that the copy "
-        f"engines move without SMs; kvshm_backend: strided moves a layer-outer block by one "
-        f"2-D copy without SMs, at less of the link (docs/vllm-plugin.md)"
+        f"engines move without SMs; kvshm_backend: copy-engines keeps the cache as it is and "
+        f"the SMs free (a 2-D copy a block), at less of the link (docs/vllm-plugin.md)"
     )
 
 
@@ -75,15 +75,18 @@ class KvshmOffloadingWorker(OffloadingWorker):
         stores: bool = True,
     ) -> None:
         """calibration: measure (or read from that cache) each direction's backend at the first
-        transfer, unless `backend` forces one. stores: False for a rank that never stores
-        (vLLM's replicated layout, ranks other than 0), which then measures loads only."""
+        transfer, unless `backend` forces one; backend copy-engines measures only those that
+        leave the SMs to the model, and without a measurement takes strided, else dma.
+        stores: False for a rank that never stores (vLLM's replicated layout, ranks other than
+        0), which then measures loads only."""
         started = time.perf_counter()
         self.region = region
         self.instance_id = instance_id
         self.blocks_per_chunk = blocks_per_chunk
         self._refs = kv_caches.group_data_refs
-        self._backend = backend
-        self._calibration = calibration if backend is None else None
+        self._sm_free = backend == COPY_ENGINES
+        self._backend = None if self._sm_free else backend
+        self._calibration = calibration if self._backend is None else None
         self._stores = stores
         self.num_chunks = region.layout.num_blocks
         self.chosen_backends: dict[str, str] = {}
@@ -96,7 +99,7 @@ class KvshmOffloadingWorker(OffloadingWorker):
         device = self.gpu_tensors[0].device
         self._pin = BackgroundPin(region, device) if pin and device.type == "cuda" else None
         hint = block_outer_hint([t.page_size_bytes for t in kv_caches.tensors])
-        if hint is not None and device.type == "cuda" and backend in (None, "staged"):
+        if hint is not None and device.type == "cuda" and self._backend in (None, "staged"):
             log.info(hint)
         self._handlers: list[SingleDirectionOffloadingHandler] | None = None
         self._lock = threading.Lock()
@@ -141,17 +144,18 @@ class KvshmOffloadingWorker(OffloadingWorker):
 
             def handler(gpu_to_cpu: bool) -> SingleDirectionOffloadingHandler:
                 name = "store" if gpu_to_cpu else "load"
-                backend = self.chosen_backends.get(name, self._backend)
-                beside = self.chosen_backends.get(f"{name}_beside")
-                try:
-                    return self._make_handler(
-                        gpu_to_cpu, backend, self.gpu_tensors, beside=beside, traffic=traffic
-                    )
-                except BackendUnavailableError:
-                    # a measured backend this handler cannot build (its staging buffers no
-                    # longer fit the GPU, say): the per-block-size choice instead
-                    log.warning("kvshm: the measured %s backends cannot be built", name)
-                    return self._make_handler(gpu_to_cpu, self._backend, self.gpu_tensors)
+                backend = self.chosen_backends.get(name)
+                if backend is not None:
+                    beside = self.chosen_backends.get(f"{name}_beside")
+                    try:
+                        return self._make_handler(
+                            gpu_to_cpu, backend, self.gpu_tensors, beside=beside, traffic=traffic
+                        )
+                    except BackendUnavailableError:
+                        # a measured backend this handler cannot build (its staging buffers
+                        # no longer fit the GPU, say): the unmeasured choice instead
+                        log.warning("kvshm: the measured %s backends cannot be built", name)
+                return self._unmeasured_handler(gpu_to_cpu)
 
             # store, load, and expedited load on its own stream: it must not queue behind loads
             self._handlers = [handler(True), handler(False), handler(False)]
@@ -168,6 +172,7 @@ class KvshmOffloadingWorker(OffloadingWorker):
                 self.blocks_per_chunk,
                 cache,
                 measure_stores=self._stores,
+                sm_free=self._sm_free,
             )
         except Exception:
             # a measurement that cannot run (no GPU memory left for its scratch blocks, say)
@@ -179,6 +184,25 @@ class KvshmOffloadingWorker(OffloadingWorker):
             return {}
         finally:
             self.calibration_seconds = time.perf_counter() - started
+
+    def _unmeasured_handler(self, gpu_to_cpu: bool) -> SingleDirectionOffloadingHandler:
+        """A handler with no measurement to go by: the forced backend, or the choice per job
+        by block size; under copy-engines the strided backend where the KV cache allows it
+        (one 2-D copy a block, fewer calls than DMA's one a page), else DMA (CPU tensors:
+        memmove)."""
+        if not self._sm_free:
+            return self._make_handler(gpu_to_cpu, self._backend, self.gpu_tensors)
+        refused: list[str] = []
+        for name in SM_FREE_BACKENDS:
+            try:
+                handler = self._make_handler(gpu_to_cpu, name, self.gpu_tensors)
+            except BackendUnavailableError as exc:
+                refused.append(str(exc))
+                continue
+            if refused:
+                log.info("kvshm: copy-engines takes %s: %s", name, "; ".join(refused))
+            return handler
+        raise BackendUnavailableError(f"no copy backend without SMs: {'; '.join(refused)}")
 
     def _make_handler(
         self,
