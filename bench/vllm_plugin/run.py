@@ -66,6 +66,7 @@ from tests.vllm_plugin.layouts import (  # noqa: E402
 )
 from tests.vllm_plugin.regions import agent_region, remove_region  # noqa: E402
 
+from kvshm.transfer.chooser import BACKEND_NAMES, COPY_ENGINES  # noqa: E402
 from kvshm.vllm.attach import attach_region  # noqa: E402
 from kvshm.vllm.geometry import RegionGeometry  # noqa: E402
 from kvshm.vllm.worker import KvshmOffloadingWorker  # noqa: E402
@@ -377,8 +378,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--backend",
-        help="(c)'s kvshm_backend: copy-engines (measured among the backends that use no SMs) "
-        "or one backend by name (default: auto)",
+        default="auto",
+        choices=("auto", COPY_ENGINES, *BACKEND_NAMES),
+        help="(c)'s kvshm_backend: auto (measured among all), copy-engines (among those that "
+        "use no SMs) or one backend by name",
     )
     parser.add_argument(
         "--start-gib", type=float, default=64.0, help="region for the start-up figure (0: skip)"
@@ -391,7 +394,7 @@ def main() -> None:
     if not layouts:
         sys.exit(f"no layout matches {args.layouts!r}: {[x.name for x in every]}")
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
-    if args.backend:
+    if args.backend != "auto":
         PLUGIN_BACKEND.append(args.backend)
     if not args.no_calibrate:
         from kvshm.vllm.calibration import ChoiceCache

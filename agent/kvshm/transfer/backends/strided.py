@@ -7,10 +7,11 @@ back, so one cuMemcpy2DAsync (a row per layer: the page, GPU pitch layer_stride,
 page) moves a block. A 16-block job is 16 driver calls where a descriptor per page is 16 x
 layers, and no SM touches the bytes: bf16 matrix products beside lost what they lose beside
 DMA (0.05-0.35 ms per GB moved, against staging's 0.5-1.7). The copy engines move such rows at
-0.70-0.93 of the link one way and 0.78-0.98 both ways on an H100, where staging reaches
-0.95-1.00 and 0.86-1.04 (docs/transfer.md F45): so this backend is taken by name
-(kvshm_backend: strided) where the model's compute matters more than the last tenth of the
-link, never by the calibration. Jobs that are not uniform (kvshm.transfer.uniform) go by DMA.
+0.70-0.94 of the link one way and 0.78-0.98 both ways on an H100, whatever the cache's size,
+where staging reaches 0.95-1.00 and 0.86-1.04 (docs/transfer.md F45, F46): so this backend is
+taken by name, or measured among the backends that use no SMs (the plugin's kvshm_backend:
+copy-engines), where the model's compute matters more than the last tenth of the link; the
+default calibration leaves it out. Jobs that are not uniform (kvshm.transfer.uniform) go by DMA.
 """
 
 from __future__ import annotations
