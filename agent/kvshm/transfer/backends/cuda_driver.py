@@ -132,7 +132,9 @@ class CudaDriver:
         self._current_context.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         self._current_context.restype = ctypes.c_int
         self._batch, self._batch_takes_fail_idx = self._find_batch()
-        self._attrs_index = ctypes.c_size_t(0)
+        self._attrs_index = ctypes.c_size_t(0)  # read by the driver only
+        # written by the driver on a failed call and never read (the CUresult says what went
+        # wrong): threads issuing at once may share it
         self._fail_index = ctypes.c_size_t(0)
 
     def _find_batch(self) -> tuple[Any, bool]:
