@@ -152,8 +152,8 @@ def test_the_policy_pick_stays_unless_clearly_beaten() -> None:
     assert within.choice() == dict.fromkeys(CHOICES, "staged")
     beaten = dataclasses.replace(
         within,
-        alone={"store": {"kernel": 1.00, "staged": 1.10}, "load": {"staged": 1.0}},
-        both={("kernel", "staged"): 1.00, ("staged", "staged"): 1.10},
+        alone={"store": {"kernel": 1.00, "staged": 1.15}, "load": {"staged": 1.0}},
+        both={("kernel", "staged"): 1.00, ("staged", "staged"): 1.15},
     )
     assert beaten.choice() == {
         "store": "kernel",
@@ -164,6 +164,27 @@ def test_the_policy_pick_stays_unless_clearly_beaten() -> None:
     # a rank that never stores chooses its loads alone
     loads_only = calibration.Measurement(alone={"load": {"dma": 1.0, "kernel": 2.0}}, both={})
     assert loads_only.choice() == {"load": "dma"}
+
+
+def test_the_copy_kernel_must_win_by_more_than_its_margin() -> None:
+    """It holds SMs for the whole copy (the products lost ~10x what they lose beside
+    staging): a lead the trial barely tells is not worth that."""
+    measured = calibration.Measurement(
+        alone={
+            "store": {"dma": 2.0, "kernel": 1.00, "staged": 1.06},
+            "load": {"dma": 2.0, "kernel": 1.00, "staged": 1.12},
+        },
+        both={("kernel", "kernel"): 1.00, ("staged", "staged"): 1.08, ("dma", "dma"): 3.0},
+        policy={"store": "staged", "load": "staged"},
+    )
+    assert measured.choice() == {
+        "store": "staged",  # 6 % behind the kernel: within its margin
+        "load": "kernel",  # 12 % behind: beyond it
+        "store_beside": "staged",
+        "load_beside": "staged",
+    }
+    kernel_only = calibration.Measurement(alone={"load": {"kernel": 1.0}}, both={})
+    assert kernel_only.choice() == {"load": "kernel"}
 
 
 def test_a_tie_goes_to_the_backend_that_takes_the_least_of_the_engine() -> None:
@@ -293,7 +314,7 @@ def test_the_cache_keeps_other_layouts_and_survives_a_broken_file(tmp_path: Path
     cache.put("host", "b", {"store": "staged", "load": "dma"})
     assert cache.get("host", "a") == {"store": "dma", "load": "kernel"}
     assert cache.get("other-host", "a") is None
-    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v8"
+    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v9"
 
 
 @pytest.mark.parametrize(

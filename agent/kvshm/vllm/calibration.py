@@ -50,14 +50,18 @@ REPS = 3  # medians of this many rounds
 # each trial moves the scratch blocks this many times: runs of a few ms (one pass) put a
 # few % of fixed cost on every backend alike and hid a 6 % difference the link shows (H100)
 PASSES = 4
-CACHE_VERSION = 8  # choices of earlier rules (one way only, one pair, ties to the policy, pair
+CACHE_VERSION = 9  # choices of earlier rules (one way only, one pair, ties to the policy, pair
 # ties to DMA over staging, times taken at the CPU speed of the moment, the copy kernel tried
-# at any page size) and of staging before its page kernel expire
+# at any page size or taken within KERNEL_MARGIN) and of staging before its page kernel expire
 MARGIN = 0.03  # times within this of the fastest are a tie: runs of a few ms tell no finer
 # How much of the engine's compute each backend takes (docs/transfer.md F9: matrix products
 # beside DMA took 0.92-1.13x as long, beside staging 1.11-1.16x, beside the copy kernel
 # 1.25-1.61x); a tie goes to the backend that takes the least, the measurement not seeing it.
 SM_USE = {"dma": 0, "cpu": 0, "strided": 0, "staged": 1, "kernel": 2}
+# The copy kernel holds SMs for the whole copy: beside it the engine's matrix products lost
+# 6.9 ms per GB moved where beside staging they lost ~0.6 (Qwen2.5-7B stores, H100, F47), so
+# it is taken only where it beats every choice without it by more than this.
+KERNEL_MARGIN = 0.10
 # How much slower the issuing thread may run than during the measurement: on the lent H100
 # hosts one process's Python ran 1.5-2x slower at times, a neighbour sharing its core
 # (docs/transfer.md F25, F29). A trial is judged at that speed, taking at least SLOW_CPU times
@@ -383,7 +387,8 @@ class Measurement:
         staging wins both ways, one thread issuing both directions' descriptors. Times within
         MARGIN of the fastest are a tie, which goes to the backend (or pair) that takes the
         least of the engine's SMs (SM_USE), then to the per-block-size policy's pick, then the
-        faster. The times are judged_seconds: what the issuing thread takes counts too."""
+        faster; the copy kernel must be faster than every choice without it by KERNEL_MARGIN.
+        The times are judged_seconds: what the issuing thread takes counts too."""
         choice = {
             name: _break_ties({(b,): t for b, t in times.items()}, (self.policy.get(name, ""),))[0]
             for name, times in self.alone.items()
@@ -405,7 +410,11 @@ Backends = TypeVar("Backends", bound=tuple[str, ...])  # one backend, or a store
 
 def _break_ties(times: Mapping[Backends, float], policy: Backends) -> Backends:
     """The fastest backends, a tie (within MARGIN) going to what takes the least of the
-    engine's SMs (SM_USE), then the policy."""
+    engine's SMs (SM_USE), then the policy; the copy kernel only where it is faster than
+    every choice without it by KERNEL_MARGIN."""
+    without_kernel = {key: t for key, t in times.items() if "kernel" not in key}
+    if without_kernel and min(without_kernel.values()) <= min(times.values()) * (1 + KERNEL_MARGIN):
+        times = without_kernel
     fastest = min(times.values())
     tied = [key for key, seconds in times.items() if seconds <= fastest * (1 + MARGIN)]
 
