@@ -80,12 +80,13 @@ def test_the_example_names_the_plugin(key: str) -> None:
     )
 
 
-def test_the_examples_kv_cache_is_block_outer_on_the_same_region(
+def test_the_examples_kv_cache_may_be_either_layout_on_the_same_region(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """vLLM's own layout resolution, for FlashAttention (H100's backend, which declares no
-    layout), takes the example's VLLM_KV_CACHE_LAYOUT over OffloadingConnector's LBHNC; the
-    block-outer cache gives the spec the same region geometry."""
+    """The example leaves the layout to vLLM: its own resolution for FlashAttention (H100's
+    backend, which declares no layout) gives OffloadingConnector's layer-outer LBHNC, and takes
+    VLLM_KV_CACHE_LAYOUT=BLHNC (the documented choice) over it; the block-outer cache gives the
+    spec the same region geometry."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
     from vllm.v1.attention.backends.utils import (
         get_supported_kv_cache_layouts,
@@ -93,16 +94,17 @@ def test_the_examples_kv_cache_is_block_outer_on_the_same_region(
     )
 
     env = env_of(yaml.safe_load(EXAMPLE.read_text()))
+    assert "VLLM_KV_CACHE_LAYOUT" not in env
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
     supported = [x.name for x in get_supported_kv_cache_layouts([FlashAttentionBackend])]
     layouts = {}
-    for value in (None, env["VLLM_KV_CACHE_LAYOUT"]):
+    for value in (None, "BLHNC"):
         if value is not None:
             monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", value)
         config = vllm_config(tmp_path, env["KV_TRANSFER_CONFIG"], "--tensor-parallel-size=4")
         layouts[value] = resolve_kv_cache_layout(config, [supported] * 4)
     assert not layouts[None].is_block_outermost  # what the connector asks for
-    assert layouts[env["VLLM_KV_CACHE_LAYOUT"]].is_block_outermost
+    assert layouts["BLHNC"].is_block_outermost
     block_outer = kv_cache_config(1024, layers=80, kv_heads=2, head_size=128, block_outer=True)
     geometry = offloading_spec(config, 1024, block_outer).region_geometry
     assert (geometry.num_chunks, geometry.cpu_page_size, geometry.num_workers) == (

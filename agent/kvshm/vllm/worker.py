@@ -42,7 +42,8 @@ def block_outer_hint(page_sizes: Sequence[int]) -> str | None:
         f"kvshm: {len(page_sizes)} KV tensors of {smallest // 1024} KiB pages: stores and loads "
         f"are staged through GPU memory by a copy kernel, which takes SM time from the model; "
         f"with VLLM_KV_CACHE_LAYOUT=BLHNC (block-outer) each block is one page that the copy "
-        f"engines move without SMs; kvshm_backend: copy-engines keeps the cache as it is and "
+        f"engines move without SMs (measure the step time: on an H100 some models' pages read "
+        f"slower from HBM so); kvshm_backend: copy-engines keeps the cache as it is and "
         f"the SMs free (a 2-D copy a block), at less of the link (docs/vllm-plugin.md)"
     )
 
