@@ -88,7 +88,6 @@ def bench_model(model: KvLayout, args: argparse.Namespace, read_pages: Any) -> d
         "blocks": blocks,
         "blocks_per_step": per_step,
         **{f"{x}_GBps": rates[x] for x in LAYOUTS},
-        **{f"{x}_us_per_step": statistics.median(times[x]) / args.steps * 1e6 for x in LAYOUTS},
         "ratio": rates["block-outer"] / rates["layer-outer"],
     }
 
