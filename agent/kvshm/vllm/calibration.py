@@ -324,9 +324,9 @@ def measure(
     handlers: dict[str, dict[str, SingleDirectionOffloadingHandler]] = {}
     try:
         policy: dict[str, str] = {}
+        pages = [t.shape[1] for t in scratch]
         for name, gpu_to_cpu in directions:
             probe = make(gpu_to_cpu, None, scratch)
-            pages = [t.shape[1] for t in scratch]
             candidates = worth_trying(probe.backends, pages, gpu_to_cpu, sm_free)
             gpu, cpu = work.every[0]
             policy[name] = (
