@@ -31,7 +31,6 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(
     tmp_path: Path,
     measurements: list[calibration.Measurement],
 ) -> None:
-    measured = measurements
     kv = canonical_kv_caches(KvLayout("tiny", TINY_LAYERS, TINY_PAGE), GPU_BLOCKS, "cpu")
     for attempt in range(2):
         spec = spec_of(engine)
@@ -44,11 +43,11 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(
         assert worker.chosen_backends == dict.fromkeys(CHOICES, "cpu")
         worker.shutdown()
         if attempt == 0:
-            (first,) = measured
+            (first,) = measurements
             assert set(first.alone) == {"store", "load"}
             assert set(first.both) == {("cpu", "cpu")}
             assert all(0 < t < float("inf") for t in first.alone["store"].values())
-    assert len(measured) == 1, "the second start measured again instead of reading the cache"
+    assert len(measurements) == 1, "the second start measured again instead of reading the cache"
     saved = json.loads((tmp_path / "backend-choices.json").read_text())
     key = layout_key([TINY_PAGE] * TINY_LAYERS, 2)
     assert saved[host_key(kv.tensors[0].tensor.device)][key] == dict.fromkeys(CHOICES, "cpu")
