@@ -23,8 +23,10 @@ def name_of(path: Path) -> str:
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """A benchmark's command line, from the repository root, as its docstring says to run it."""
-    path = os.pathsep.join(str(REPO / root) for root in ("agent", "operator"))
+    """A benchmark's command line, from the repository root, as its docstring says to run it
+    (with what PYTHONPATH already holds after that: vLLM, where it is a source tree)."""
+    roots = [str(REPO / root) for root in ("agent", "operator")]
+    path = os.pathsep.join([*roots, *filter(None, [os.environ.get("PYTHONPATH")])])
     return subprocess.run(
         [sys.executable, *args],
         cwd=REPO,
@@ -100,3 +102,22 @@ def test_the_transfer_benchmark_finishes_a_tiny_run(shm_dir: Path, tmp_path: Pat
     assert all(row["kvshm"] > 0 for row in figures["two"])
     assert len(figures["goals"]) == 2
     assert list(shm_dir.iterdir()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reader", ["proxy", "auto"])
+def test_the_attention_layout_benchmark_finishes_a_tiny_run(reader: str, tmp_path: Path) -> None:
+    from bench.vllm_plugin.attention_layout import QUERY_HEADS, flash_attention
+
+    out = tmp_path / "attention.json"
+    args = ["--cache-gib", "0.5", "--seqs", "2", "--context", "256", "--steps", "1"]
+    result = run(
+        "bench/vllm_plugin/attention_layout.py", *args, "--rounds", "1", "--reader", reader,
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    runs_here = not isinstance(flash_attention(), str)
+    assert figures["reader"] == ("flash-attention" if reader == "auto" and runs_here else "proxy")
+    assert [row["model"] for row in figures["models"]] == list(QUERY_HEADS)
+    assert all(row["ratio"] > 0 for row in figures["models"])
