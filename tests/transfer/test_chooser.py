@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import cast
+
 import numpy as np
 import pytest
 import torch
 
-from kvshm.transfer import BackendPolicy, BackendUnavailableError, Direction
+from kvshm.transfer import BackendPolicy, BackendUnavailableError, CanonicalKVCacheRef, Direction
 from kvshm.transfer.backends.base import CopyBackend, Stream
+from kvshm.transfer.backends.cuda_driver import CopyDirection, CudaDriver
+from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.chooser import BackendChooser
+from kvshm.transfer.pointers import RowGeometry
+from kvshm.transfer.uniform import UniformLayout
 
 
 class Named(CopyBackend):
@@ -104,3 +111,37 @@ def test_a_copy_larger_than_the_staging_buffer_is_not_staged() -> None:
     policy = BackendPolicy(staged_from_run_bytes=64 << 20, staged_below_copy_bytes=32 << 20)
     choose = staging_chooser(Direction.GPU_TO_CPU, policy).choose
     assert label(choose(cells_batch(4, 16 << 20, 2, True))) == "dma"  # 16 MiB > 8 MiB buffer
+
+
+def uniform_layout(refs: int, page: int) -> UniformLayout:
+    gpu = [RowGeometry((1 << 40) + (t << 32), page, page, 8) for t in range(refs)]
+    cpu = [RowGeometry((1 << 30) + t * page, refs * page, page, 8) for t in range(refs)]
+    layout = UniformLayout.of(gpu, cpu, 1, [[CanonicalKVCacheRef(t, page) for t in range(refs)]])
+    assert layout is not None
+    return layout
+
+
+def dma_chooser(override: str | None = None, staged: bool = False) -> BackendChooser:
+    dma = DmaBackend(cast(CudaDriver, SimpleNamespace(has_batch=True)), CopyDirection(True, 0))
+    backends: dict[str, CopyBackend] = {"dma": dma, "kernel": Named("kernel")}
+    if staged:
+        backends["staged"] = StagedBackend(
+            torch.device("cpu"), True, dma, Named("kernel"), 8 << 20, 2
+        )  # type: ignore[arg-type]
+    return BackendChooser(backends, {}, Direction.GPU_TO_CPU, BackendPolicy(), override)
+
+
+def test_uniform_jobs_skip_planning_for_dma_only_where_every_job_would_get_it() -> None:
+    block_outer, small = uniform_layout(1, 896 * 1024), uniform_layout(2, 16 * 1024)
+    layer_outer = uniform_layout(32, 64 * 1024)
+    chooser = dma_chooser()
+    assert chooser.dma_for_uniform(block_outer) is chooser.dma() is not None
+    assert chooser.dma_for_uniform(small) is None  # the kernel's
+    assert chooser.dma_for_uniform(layer_outer) is chooser.dma()  # no staged backend here
+    staging = dma_chooser(staged=True)
+    assert staging.dma_for_uniform(layer_outer) is None  # some jobs are staged
+    assert staging.dma_for_uniform(block_outer) is staging.dma()
+    assert dma_chooser("dma").dma_for_uniform(small) is not None
+    assert dma_chooser("kernel").dma_for_uniform(block_outer) is None
+    cpu = BackendChooser({"cpu": Named("cpu")}, {}, Direction.GPU_TO_CPU, BackendPolicy(), None)
+    assert cpu.dma() is None and cpu.dma_for_uniform(block_outer) is None

@@ -10,6 +10,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
+from kvshm.transfer import CanonicalKVCacheRef, CPULoadStoreSpec, GPULoadStoreSpec
 from kvshm.transfer.backends.cuda_driver import (
     CUDA_ERROR_INVALID_VALUE,
     CUDA_SUCCESS,
@@ -18,6 +19,9 @@ from kvshm.transfer.backends.cuda_driver import (
 )
 from kvshm.transfer.backends.dma import SORT_BELOW_BYTES, DmaBackend
 from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.plan import JobPlanner
+from kvshm.transfer.pointers import RowGeometry
+from kvshm.transfer.uniform import UniformLayout
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -162,3 +166,56 @@ def test_a_stream_the_driver_refuses_with_a_context_current_falls_back_to_single
     dma.issue(job, STREAM)
     assert not dma.uses_batch
     assert single == [tuple(column) for column in job.rows.T.tolist()]
+
+
+def uniform(refs: int, page: int, gpu_to_cpu: bool, gpu_descending: bool) -> tuple[Any, Any]:
+    """A uniform layout (kvshm.transfer.uniform) over `refs` tensors of one page a block, and
+    the general planner of the same tensors. gpu_descending: the tensors' GPU bases run
+    against their cells' order."""
+    rows = 64
+    gpu = [
+        RowGeometry(GPU + ((refs - 1 - t if gpu_descending else t) << 32), page, page, rows)
+        for t in range(refs)
+    ]
+    cpu = [RowGeometry(HOST + t * page, refs * page, page, rows) for t in range(refs)]
+    group = [[CanonicalKVCacheRef(t, page) for t in range(refs)]]
+    layout = UniformLayout.of(gpu, cpu, 1, group)
+    assert layout is not None
+    return layout, JobPlanner(gpu, cpu, 1, group, gpu_to_cpu)
+
+
+@pytest.mark.parametrize("gpu_descending", [False, True], ids=["gpu-ascending", "gpu-descending"])
+@pytest.mark.parametrize("gpu_to_cpu", [True, False], ids=["store", "load"])
+@pytest.mark.parametrize(
+    ("refs", "page"),
+    [(1, 896 * KIB), (4, 2 * MIB), (28, 32 * KIB), (3, 64 * KIB), (1, 16 * KIB)],
+    ids=["block-outer", "2mib-blocks", "layer-outer", "three-tensors", "one-small-page"],
+)
+def test_a_uniform_job_issues_what_the_planners_copies_issue(
+    refs: int, page: int, gpu_to_cpu: bool, gpu_descending: bool
+) -> None:
+    """copy_uniform builds its table from the ids: the same copies, in the same order, as
+    copy() issues for the general planner's table of the job."""
+    layout, planner = uniform(refs, page, gpu_to_cpu, gpu_descending)
+    rng = np.random.default_rng(refs * page)
+    for count in (1, 16, 5):
+        gpu_ids, cpu_ids = rng.permutation(64)[:count], rng.permutation(64)[:count]
+        pair = (GPULoadStoreSpec(gpu_ids.tolist(), [count], [0]), CPULoadStoreSpec(cpu_ids))
+        spec: tuple[Any, Any] = pair if gpu_to_cpu else pair[::-1]
+        planned, expected = backend(gpu_to_cpu)
+        planned.copy(planner.plan(spec), STREAM)
+        dma, issued = backend(gpu_to_cpu)
+        dma.prepare_uniform(layout)
+        job = layout.job(spec, gpu_to_cpu)
+        assert job is not None
+        dma.copy_uniform(job, STREAM)
+        assert np.array_equal(issued.issued(), expected.issued())
+        assert issued.issued()[2].sum() == job.total_bytes == count * refs * page
+
+
+def test_copy_uniform_needs_the_layout_first() -> None:
+    layout, _ = uniform(1, 2 * MIB, True, False)
+    job = layout.job((GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([2])), True)
+    assert job is not None
+    with pytest.raises(ValueError, match="prepare_uniform"):
+        backend(True)[0].copy_uniform(job, STREAM)

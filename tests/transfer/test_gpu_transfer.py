@@ -66,6 +66,23 @@ def run(handler: Any, job_id: int, spec: Any) -> None:
     assert (result.job_id, result.success) == (job_id, True)
 
 
+def loads_back_exactly(
+    load: Any, gpu: list[torch.Tensor], sent: torch.Tensor, cpu_ids: Any, load_to: Any, fill: int
+) -> None:
+    """Fill the GPU tensors with `fill`, load cells cpu_ids into blocks load_to, and check
+    those hold what blocks `sent` held before, every other block still `fill`."""
+    originals = [t[sent].clone() for t in gpu]
+    for tensor in gpu:
+        tensor.fill_(fill)
+    count = len(load_to)
+    run(load, 2, (CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(load_to, [count], [0])))
+    targets = torch.from_numpy(load_to).cuda()
+    untouched = torch.from_numpy(np.setdiff1d(np.arange(gpu[0].shape[0]), load_to)).cuda()
+    for tensor, original in zip(gpu, originals, strict=True):
+        assert torch.equal(tensor[targets], original)
+        assert bool((tensor[untouched] == fill).all())
+
+
 def region_params(block: int) -> tuple[int, int]:
     return max(8, min(128, 32 * 1024 * KIB // (8 * block))), 2 * block
 
@@ -113,6 +130,38 @@ def test_round_trip_is_byte_exact(
             untouched = np.setdiff1d(np.arange(num_blocks + 8), load_to)
             assert bool((tensor[torch.from_numpy(untouched).cuda()] == 0x33).all())
         pair.shutdown()
+
+
+@pytest.mark.parametrize("tensors", [1, 4], ids=["block-outer", "four-tensors"])
+@pytest.mark.parametrize("regions", [(32, 1024 * KIB)], indirect=True)
+def test_uniform_dma_jobs_take_their_tables_from_the_ids_byte_exact(
+    tensors: int, regions: list[SharedOffloadRegion], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the copy engines take every job of a uniform layout (a block-outer cache's one
+    page a block, or large pages), the handler builds the DMA table from the ids without the
+    general planner (docs/transfer.md F49), and every byte lands both ways."""
+    page, region, rank = 1024 * KIB // tensors, regions[2], 2
+    gpu = random_block_data(40, page, tensors)
+    refs = [[CanonicalKVCacheRef(t, page) for t in range(tensors)]]
+    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs)
+    store, load = pair.gpu_to_cpu_handler, pair.cpu_to_gpu_handler
+
+    def planned(spec: object) -> None:
+        raise AssertionError("a uniform DMA job went to the general planner")
+
+    for handler in (store, load):
+        assert handler._dma is not None and None in handler._dma_picks
+        monkeypatch.setattr(handler._planner, "plan", planned)
+    rng = np.random.default_rng(tensors)
+    gpu_ids, cpu_ids = rng.permutation(40)[:24], rng.permutation(32)[:24]
+    run(store, 1, (GPULoadStoreSpec(gpu_ids, [24], [0]), CPULoadStoreSpec(cpu_ids)))
+    cells = region_bytes(region)[cpu_ids, rank * tensors * page : (rank + 1) * tensors * page]
+    ids = torch.from_numpy(gpu_ids).cuda()
+    for t in range(tensors):
+        sent = gpu[t][ids].cpu().numpy().view(np.uint8)
+        assert np.array_equal(cells[:, t * page : (t + 1) * page], sent), t
+    loads_back_exactly(load, gpu, ids, cpu_ids, rng.permutation(40)[:24], 0x21)
+    pair.shutdown()
 
 
 GROUP_REFS = [
@@ -537,17 +586,7 @@ def test_uniform_jobs_move_by_the_page_kernel_byte_exact(
         assert np.array_equal(cells[:, t], gpu[t][ids].cpu().numpy().view(np.uint8)), t
     assert not rows[:, : LAYERS * PAGE].any()  # the other workers' cells untouched
 
-    originals = [t[ids].clone() for t in gpu]
-    for tensor in gpu:
-        tensor.fill_(0x5A)
-    load_to = rng.permutation(64)[:48]
-    run(load, 2, (CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(load_to, [48], [0])))
-    targets = torch.from_numpy(load_to).cuda()
-    for tensor, original in zip(gpu, originals, strict=True):
-        assert torch.equal(tensor[targets], original)
-    untouched = np.setdiff1d(np.arange(64), load_to)
-    for tensor in gpu:
-        assert bool((tensor[torch.from_numpy(untouched).cuda()] == 0x5A).all())
+    loads_back_exactly(load, gpu, ids, cpu_ids, rng.permutation(64)[:48], 0x5A)
     pair.shutdown()
 
 

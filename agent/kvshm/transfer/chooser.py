@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvshm.transfer.backends.base import CopyBackend
+from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.backends.strided import StridedBackend
 from kvshm.transfer.batch import CopyBatch
@@ -116,6 +117,10 @@ class BackendChooser:
         """A backend by name (one the constructor required)."""
         return self._backends[name]
 
+    def dma(self) -> DmaBackend | None:
+        dma = self._backends.get("dma")
+        return dma if isinstance(dma, DmaBackend) else None
+
     def staged(self) -> StagedBackend | None:
         staged = self._backends.get("staged")
         return staged if isinstance(staged, StagedBackend) else None
@@ -138,6 +143,24 @@ class BackendChooser:
             return None
         small = self._small_copies(layout.refs, layout.mean_page_bytes)
         return staged if small and self._long_runs(layout.refs, 1, layout.block_bytes) else None
+
+    def dma_for_uniform(self, layout: UniformLayout) -> DmaBackend | None:
+        """The DMA backend if it is what choose() picks for every job of this uniform layout
+        (whose jobs all copy pages of the same mean size, in one run per block)."""
+        dma = self.dma()
+        if dma is None:
+            return None
+        if self._override is not None:
+            return dma if self._override == "dma" else None
+        if "cpu" in self._backends:
+            return None
+        # a job whose cells lie side by side forms longer runs than one block's: with small
+        # copies, choose() may stage some jobs of the layout and not others
+        if self.staged() is not None and layout.mean_page_bytes < self._staged_below:
+            return None
+        if "kernel" in self._backends and layout.mean_page_bytes < self._kernel_below:
+            return None
+        return dma
 
     def _worth_staging(self, staged: StagedBackend, batch: CopyBatch) -> bool:
         if not self._small_copies(batch.count, batch.mean_copy_bytes):

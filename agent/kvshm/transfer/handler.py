@@ -16,6 +16,7 @@ from functools import partial
 import torch
 
 from kvshm.transfer.backends.base import CopyBackend, Stream
+from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.factory import build_backends
 from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.chooser import BackendChooser, BackendPolicy, override_from_env
@@ -178,6 +179,16 @@ class SingleDirectionOffloadingHandler:
             self._uniform_picks = {"staged"}
             if self._chooser.staged_for_uniform(layout) is not None:
                 self._uniform_picks.add(None)
+        # and by the copy engines, their tables from the ids (kvshm.transfer.uniform)
+        self._dma: tuple[UniformLayout, DmaBackend] | None = None
+        self._dma_picks: set[str | None] = set()
+        dma = self._chooser.dma()
+        if layout is not None and dma is not None:
+            dma.prepare_uniform(layout)
+            self._dma = (layout, dma)
+            self._dma_picks = {"dma"}
+            if self._chooser.dma_for_uniform(layout) is not None:
+                self._dma_picks.add(None)
         self._timeline = _timeline_for(pairs.device, options)
         self._metrics = TransferMetrics(self.direction)
         self._jobs: deque[_Job] = deque()
@@ -209,19 +220,9 @@ class SingleDirectionOffloadingHandler:
         # compute stream, and with async scheduling nothing else orders that before the load)
         after = self._timeline.caller_stream()
         named = self._backend_name()
-        strided = self._strided_job(named, spec)
-        uniform = self._uniform_job(named, spec) if strided is None else None
-        work: Callable[[Stream], object]
-        backend: CopyBackend
-        if strided is not None and self._strided is not None:
-            backend = self._strided
-            work = partial(self._strided.copy_uniform, strided, after=after)
-            size = strided.total_bytes
-        elif uniform is not None and self._uniform is not None:
-            layout, staged = self._uniform
-            backend = staged
-            work = partial(staged.copy_uniform, layout, uniform, after=after)
-            size = uniform.total_bytes
+        fast = self._uniform_work(named, spec, after)
+        if fast is not None:
+            backend, work, size = fast
         else:
             batch = self._planner.plan(spec)
             backend = self._chooser.choose(batch) if named is None else self._chooser.named(named)
@@ -243,6 +244,31 @@ class SingleDirectionOffloadingHandler:
         if self._uniform_job(None, (src_spec, dst_spec)) is not None:
             return "staged"
         return self._chooser.choose(self._planner.plan((src_spec, dst_spec))).name
+
+    def _uniform_work(
+        self, named: str | None, spec: object, after: Stream | None
+    ) -> tuple[CopyBackend, Callable[[Stream], object], int] | None:
+        """The job's backend, work and size where a backend takes it as a uniform job (its
+        tables from the ids alone), else None: the general planner then plans it (and names
+        what is wrong with a bad spec)."""
+        strided = self._strided_job(named, spec)
+        if strided is not None and self._strided is not None:
+            work = partial(self._strided.copy_uniform, strided, after=after)
+            return self._strided, work, strided.total_bytes
+        uniform = self._uniform_job(named, spec)
+        if uniform is not None and self._uniform is not None:
+            layout, staged = self._uniform
+            return (
+                staged,
+                partial(staged.copy_uniform, layout, uniform, after=after),
+                uniform.total_bytes,
+            )
+        if self._dma is not None and named in self._dma_picks:
+            layout, dma = self._dma
+            job = layout.job(spec, self.gpu_to_cpu)
+            if job is not None:
+                return dma, partial(dma.copy_uniform, job, after=after), job.total_bytes
+        return None
 
     def _strided_job(self, named: str | None, spec: object) -> UniformJob | None:
         """The job, where the strided backend is named for it and can take it."""

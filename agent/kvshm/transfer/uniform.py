@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.pointers import RowGeometry
 from kvshm.transfer.specs import CanonicalKVCacheRef
 
@@ -236,3 +237,55 @@ def uniform_runs(
     np.multiply(job.cpu_ids, layout.cpu_stride, out=cells)
     cells += layout.cpu_base
     return runs
+
+
+class UniformCopies:
+    """A uniform job's copies for the copy engines, one per page, from its ids alone: the
+    same table, in the same order, that the DMA backend issues for the general planner's
+    copies of the job, without planning and sorting them. Those cost a block-outer job of 16
+    blocks about a third of its ~120 us of submitting on an H200 host, where submitting bound
+    both directions at once (docs/transfer.md F49).
+
+    by_gpu_address: tensor by tensor, each tensor's pages in ascending GPU address (the
+    DMA backend's order from SORT_BELOW_BYTES; the same as sorting every copy by its GPU
+    address where the tensors take disjoint ranges, as vLLM's caches do); else block by block,
+    each block's pages in cell order, blocks in ascending cell for stores (host memory takes
+    writes in address order) and in the job's order for loads."""
+
+    def __init__(self, layout: UniformLayout, gpu_to_cpu: bool, by_gpu_address: bool) -> None:
+        self._gpu_to_cpu = gpu_to_cpu
+        self._by_gpu = by_gpu_address
+        refs = np.argsort(layout.gpu_base, kind="stable") if by_gpu_address else slice(None)
+        self._gpu_base = layout.gpu_base[refs]
+        self._gpu_stride = layout.gpu_stride[refs]
+        self._cell_offset = layout.cell_offset[refs]
+        self._page = layout.page[refs]
+        self._cpu_base, self._cpu_stride = layout.cpu_base, layout.cpu_stride
+        self.refs = layout.refs
+
+    def batch(self, job: UniformJob) -> CopyBatch:
+        gpu_ids, cpu_ids = job.gpu_ids, job.cpu_ids
+        order = None
+        if self._by_gpu:
+            order = np.argsort(gpu_ids, kind="stable")
+        elif self._gpu_to_cpu:
+            order = np.argsort(cpu_ids, kind="stable")
+        if order is not None:
+            gpu_ids, cpu_ids = gpu_ids[order], cpu_ids[order]
+        cells = cpu_ids * self._cpu_stride
+        cells += self._cpu_base
+        batch = CopyBatch.allocate(len(gpu_ids) * self.refs)
+        # (refs, blocks) tensor by tensor, or (blocks, refs) block by block
+        shape = (3, self.refs, len(gpu_ids)) if self._by_gpu else (3, len(gpu_ids), self.refs)
+        rows = batch.rows.reshape(shape)
+        column: tuple[slice | None, ...]
+        if self._by_gpu:
+            column, ids, cell_ids = (slice(None), None), gpu_ids[None, :], cells[None, :]
+        else:
+            column, ids, cell_ids = (None, slice(None)), gpu_ids[:, None], cells[:, None]
+        gpu_row, cpu_row = (0, 1) if self._gpu_to_cpu else (1, 0)
+        np.multiply(self._gpu_stride[column], ids, out=rows[gpu_row])
+        rows[gpu_row] += self._gpu_base[column]
+        np.add(self._cell_offset[column], cell_ids, out=rows[cpu_row])
+        rows[2] = self._page[column]
+        return batch.with_total(job.total_bytes)

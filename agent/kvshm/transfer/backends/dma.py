@@ -22,6 +22,7 @@ from kvshm.transfer.backends.cuda_driver import (
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.errors import CudaCallError
 from kvshm.transfer.options import DEFAULT_DESCRIPTORS_PER_CALL
+from kvshm.transfer.uniform import UniformCopies, UniformJob, UniformLayout
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,20 @@ _WORD = 8  # bytes per descriptor entry (uint64)
 # below this mean size, stores go in ascending host address; from it, every job goes in
 # ascending GPU address (docs/transfer.md F7, F38)
 SORT_BELOW_BYTES = 256 * 1024
+
+
+def issue_order(batch: CopyBatch, gpu_to_cpu: bool) -> CopyBatch:
+    """The batch's copies in the order the copy engines take them fastest."""
+    if batch.mean_copy_bytes < SORT_BELOW_BYTES:
+        # writes to host memory in ascending address order: 64 KiB blocks to random region
+        # rows moved 53.0 GB/s sorted against 50.9 in the job's order (H200); reads from host
+        # memory do not care (F7)
+        return batch.sorted_by_destination() if gpu_to_cpu else batch
+    # large pages in the planner's order put a block's pages, back to back in its cell, one
+    # after another; in GPU address order (tensor by tensor) consecutive copies go to
+    # different cells: both ways at once 2 MiB pages moved 97.8-99.8 GB/s so against
+    # 95.2-97.6, one way the same (F38)
+    return batch.sorted_by(0 if gpu_to_cpu else 1)
 
 
 class DmaBackend(CopyBackend):
@@ -49,21 +64,21 @@ class DmaBackend(CopyBackend):
         self.uses_batch = use_batch and driver.has_batch
         self._gpu_to_cpu = direction.gpu_to_cpu
         self._device_index = direction.device_index
+        self._uniform: UniformCopies | None = None
 
     def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> None:
-        if batch.mean_copy_bytes < SORT_BELOW_BYTES:
-            if self._gpu_to_cpu:
-                # writes to host memory in ascending address order: 64 KiB blocks to random
-                # region rows moved 53.0 GB/s sorted against 50.9 in the job's order (H200);
-                # reads from host memory do not care (F7)
-                batch = batch.sorted_by_destination()
-        else:
-            # large pages in the planner's order put a block's pages, back to back in its
-            # cell, one after another; in GPU address order (tensor by tensor) consecutive
-            # copies go to different cells: both ways at once 2 MiB pages moved 97.8-99.8
-            # GB/s so against 95.2-97.6, one way the same (F38)
-            batch = batch.sorted_by(0 if self._gpu_to_cpu else 1)
-        self.issue(batch, stream)
+        self.issue(issue_order(batch, self._gpu_to_cpu), stream)
+
+    def prepare_uniform(self, layout: UniformLayout) -> None:
+        """Take the handler's uniform layout: its jobs' tables then come from their ids
+        (copy_uniform), in the order copy() gives the planner's."""
+        by_gpu_address = layout.mean_page_bytes >= SORT_BELOW_BYTES
+        self._uniform = UniformCopies(layout, self._gpu_to_cpu, by_gpu_address)
+
+    def copy_uniform(self, job: UniformJob, stream: Stream, after: Stream | None = None) -> None:
+        if self._uniform is None:
+            raise ValueError("copy_uniform before prepare_uniform")
+        self.issue(self._uniform.batch(job), stream)
 
     def issue(self, batch: CopyBatch, stream: Stream) -> None:
         """The copies in the batch's order (copy() may reorder them first): the staged
