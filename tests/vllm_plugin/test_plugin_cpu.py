@@ -203,6 +203,7 @@ def test_layer_pages_that_would_be_staged_get_the_block_outer_hint(layout: KvLay
         # Llama-3.1-70B at TP 4: 80 x 16 KiB = 1280 KiB a block, which an H100 reads slower
         aliased = layout.worker_bytes_per_block % (320 * 1024) == 0
         assert ("decodes up to 18 % slower" in hint) == aliased
+        assert ("decodes it as fast" in hint) == (not aliased)
         assert aliased == (layout.name == "llama-3.1-70b-tp4-rank0")
 
 
