@@ -14,6 +14,7 @@ produces every error message; this path never raises for a bad spec.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,16 @@ from kvshm.transfer.specs import CanonicalKVCacheRef
 
 Int64s = npt.NDArray[np.int64]
 MAX_PITCH = (1 << 31) - 1  # the largest row pitch a 2-D copy takes (CU_DEVICE_ATTRIBUTE_MAX_PITCH)
+
+
+def row_pitch(addresses: Sequence[int], row_bytes: int) -> int | None:
+    """The one step between consecutive addresses, where it holds a row of row_bytes and a 2-D
+    copy takes it (at most MAX_PITCH); else None (fewer than two addresses too)."""
+    steps = {b - a for a, b in itertools.pairwise(addresses)}
+    if len(steps) != 1:
+        return None
+    (pitch,) = steps
+    return pitch if row_bytes <= pitch <= MAX_PITCH else None
 
 
 @dataclass(frozen=True)
@@ -102,11 +113,7 @@ class UniformLayout:
             return None
         if np.any(self.cell_offset != np.arange(refs, dtype=np.int64) * page):
             return None
-        steps = np.diff(self.gpu_base)
-        pitch = int(steps[0])
-        if np.any(steps != pitch) or not page <= pitch <= MAX_PITCH:
-            return None
-        return pitch
+        return row_pitch(self.gpu_base.tolist(), page)
 
     def job(self, spec: object, gpu_to_cpu: bool) -> UniformJob | None:
         """The job's ids if the spec is a valid uniform job, else None (the general planner

@@ -32,7 +32,7 @@ import torch
 from kvshm.transfer import CPULoadStoreSpec, GPULoadStoreSpec, SingleDirectionOffloadingHandler
 from kvshm.transfer.chooser import BACKEND_NAMES, COPY_ENGINES, SM_FREE_BACKENDS, BackendPolicy
 from kvshm.transfer.metrics import Direction
-from kvshm.transfer.uniform import MAX_PITCH
+from kvshm.transfer.uniform import row_pitch
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +176,8 @@ def one_allocation_pitch(tensors: Sequence[torch.Tensor]) -> int | None:
     storage = tensors[0].untyped_storage().data_ptr()
     if any(t.untyped_storage().data_ptr() != storage for t in tensors):
         return None
-    pitch = tensors[1].data_ptr() - tensors[0].data_ptr()
     size = tensors[0].shape[0] * tensors[0].stride(0) * tensors[0].element_size()
-    steps = {b.data_ptr() - a.data_ptr() for a, b in itertools.pairwise(tensors)}
-    return pitch if steps == {pitch} and size <= pitch <= MAX_PITCH else None
+    return row_pitch([t.data_ptr() for t in tensors], size)
 
 
 Spec = tuple[GPULoadStoreSpec, CPULoadStoreSpec]
