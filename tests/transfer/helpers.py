@@ -1,5 +1,6 @@
-"""Shared test helpers: regions in a temporary directory, where a job's bytes must land, and
-work on a thread with no CUDA context."""
+"""Shared test helpers: regions in a temporary directory, where a job's bytes must land,
+synthetic tensor views (addresses only) of one group, and work on a thread with no CUDA
+context."""
 
 from __future__ import annotations
 
@@ -13,6 +14,29 @@ import numpy as np
 
 from kvshm.region import RegionFormat, RegionLayout, SharedOffloadRegion
 from kvshm.transfer import CanonicalKVCacheRef
+from kvshm.transfer.pointers import RowGeometry
+
+GPU_ROWS = 48
+CPU_ROWS = 64
+
+
+def gpu_views(pages: list[int]) -> list[RowGeometry]:
+    """Tensor t at 2**40 + t * 2**32, GPU_ROWS blocks of its page."""
+    return [
+        RowGeometry((1 << 40) + (t << 32), page, page, GPU_ROWS) for t, page in enumerate(pages)
+    ]
+
+
+def cpu_views(pages: list[int], stride: int, base: int = 1 << 30) -> list[RowGeometry]:
+    """The tensors' pages back to back in a cell, CPU_ROWS rows of `stride` bytes."""
+    offsets = np.cumsum([0, *pages[:-1]])
+    return [
+        RowGeometry(base + int(o), stride, p, CPU_ROWS) for o, p in zip(offsets, pages, strict=True)
+    ]
+
+
+def one_group(pages: list[int]) -> list[list[CanonicalKVCacheRef]]:
+    return [[CanonicalKVCacheRef(t, page) for t, page in enumerate(pages)]]
 
 
 def unpadded(num_blocks: int, cpu_page_size: int, num_workers: int) -> RegionLayout:

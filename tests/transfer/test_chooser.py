@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvshm.transfer import BackendPolicy, BackendUnavailableError, CanonicalKVCacheRef, Direction
+from kvshm.transfer import BackendPolicy, BackendUnavailableError, Direction
 from kvshm.transfer.backends.base import CopyBackend, Stream
 from kvshm.transfer.backends.cuda_driver import CopyDirection, CudaDriver
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.chooser import BackendChooser
-from kvshm.transfer.pointers import RowGeometry
 from kvshm.transfer.uniform import UniformLayout
+
+from .helpers import cpu_views, gpu_views, one_group
 
 
 class Named(CopyBackend):
@@ -114,9 +115,8 @@ def test_a_copy_larger_than_the_staging_buffer_is_not_staged() -> None:
 
 
 def uniform_layout(refs: int, page: int) -> UniformLayout:
-    gpu = [RowGeometry((1 << 40) + (t << 32), page, page, 8) for t in range(refs)]
-    cpu = [RowGeometry((1 << 30) + t * page, refs * page, page, 8) for t in range(refs)]
-    layout = UniformLayout.of(gpu, cpu, 1, [[CanonicalKVCacheRef(t, page) for t in range(refs)]])
+    pages = [page] * refs
+    layout = UniformLayout.of(gpu_views(pages), cpu_views(pages, refs * page), 1, one_group(pages))
     assert layout is not None
     return layout
 

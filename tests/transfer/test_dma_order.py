@@ -10,7 +10,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from kvshm.transfer import CanonicalKVCacheRef, CPULoadStoreSpec, GPULoadStoreSpec
+from kvshm.transfer import CPULoadStoreSpec, GPULoadStoreSpec
 from kvshm.transfer.backends.cuda_driver import (
     CUDA_ERROR_INVALID_VALUE,
     CUDA_SUCCESS,
@@ -20,8 +20,9 @@ from kvshm.transfer.backends.cuda_driver import (
 from kvshm.transfer.backends.dma import SORT_BELOW_BYTES, DmaBackend
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.plan import JobPlanner
-from kvshm.transfer.pointers import RowGeometry
 from kvshm.transfer.uniform import UniformLayout
+
+from .helpers import CPU_ROWS, GPU_ROWS, cpu_views, gpu_views, one_group
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -172,13 +173,9 @@ def uniform(refs: int, page: int, gpu_to_cpu: bool, gpu_descending: bool) -> tup
     """A uniform layout (kvshm.transfer.uniform) over `refs` tensors of one page a block, and
     the general planner of the same tensors. gpu_descending: the tensors' GPU bases run
     against their cells' order."""
-    rows = 64
-    gpu = [
-        RowGeometry(GPU + ((refs - 1 - t if gpu_descending else t) << 32), page, page, rows)
-        for t in range(refs)
-    ]
-    cpu = [RowGeometry(HOST + t * page, refs * page, page, rows) for t in range(refs)]
-    group = [[CanonicalKVCacheRef(t, page) for t in range(refs)]]
+    pages = [page] * refs
+    gpu = gpu_views(pages)[:: -1 if gpu_descending else 1]
+    cpu, group = cpu_views(pages, refs * page, HOST), one_group(pages)
     layout = UniformLayout.of(gpu, cpu, 1, group)
     assert layout is not None
     return layout, JobPlanner(gpu, cpu, 1, group, gpu_to_cpu)
@@ -199,7 +196,7 @@ def test_a_uniform_job_issues_what_the_planners_copies_issue(
     layout, planner = uniform(refs, page, gpu_to_cpu, gpu_descending)
     rng = np.random.default_rng(refs * page)
     for count in (1, 16, 5):
-        gpu_ids, cpu_ids = rng.permutation(64)[:count], rng.permutation(64)[:count]
+        gpu_ids, cpu_ids = rng.permutation(GPU_ROWS)[:count], rng.permutation(CPU_ROWS)[:count]
         pair = (GPULoadStoreSpec(gpu_ids.tolist(), [count], [0]), CPULoadStoreSpec(cpu_ids))
         spec: tuple[Any, Any] = pair if gpu_to_cpu else pair[::-1]
         planned, expected = backend(gpu_to_cpu)

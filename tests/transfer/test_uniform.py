@@ -18,51 +18,33 @@ from kvshm.transfer.backends.staged import CUTS_KEPT, StagedBackend, _Buffer
 from kvshm.transfer.pointers import RowGeometry
 from kvshm.transfer.uniform import UniformLayout, uniform_cut, uniform_tables
 
+from .helpers import GPU_ROWS, cpu_views, gpu_views, one_group
 from .test_staging import CELL, PAGE, ROW, ROWS, TENSORS, apply, handlers  # noqa: F401
-
-GPU_ROWS = 48
-
-
-def gpu_views(pages: list[int]) -> list[RowGeometry]:
-    return [
-        RowGeometry((1 << 40) + (t << 32), page, page, GPU_ROWS) for t, page in enumerate(pages)
-    ]
-
-
-def cpu_views(pages: list[int], stride: int = ROW, base: int = 1 << 30) -> list[RowGeometry]:
-    offsets = np.cumsum([0, *pages[:-1]])
-    return [
-        RowGeometry(base + int(o), stride, p, ROWS) for o, p in zip(offsets, pages, strict=True)
-    ]
-
-
-def refs(pages: list[int]) -> list[list[CanonicalKVCacheRef]]:
-    return [[CanonicalKVCacheRef(t, page) for t, page in enumerate(pages)]]
 
 
 def test_back_to_back_pages_of_one_group_make_a_uniform_layout() -> None:
     pages = [PAGE, 2 * PAGE, PAGE]  # sizes may differ
-    layout = UniformLayout.of(gpu_views(pages), cpu_views(pages), 1, refs(pages))
+    layout = UniformLayout.of(gpu_views(pages), cpu_views(pages, ROW), 1, one_group(pages))
     assert layout is not None
     assert layout.block_bytes == 4 * PAGE and layout.refs == 3
     assert layout.cell_offset.tolist() == [0, PAGE, 3 * PAGE]
     assert (layout.gpu_rows, layout.cpu_rows) == (GPU_ROWS, ROWS)
     # the refs' order does not matter: the cell's does
-    shuffled = [[refs(pages)[0][2], refs(pages)[0][0], refs(pages)[0][1]]]
-    again = UniformLayout.of(gpu_views(pages), cpu_views(pages), 1, shuffled)
+    shuffled = [[one_group(pages)[0][2], one_group(pages)[0][0], one_group(pages)[0][1]]]
+    again = UniformLayout.of(gpu_views(pages), cpu_views(pages, ROW), 1, shuffled)
     assert again is not None and again.cell_offset.tolist() == [0, PAGE, 3 * PAGE]
 
 
 def test_other_layouts_take_the_general_path() -> None:
     pages = [PAGE] * TENSORS
-    gpu, cpu = gpu_views(pages), cpu_views(pages)
-    assert UniformLayout.of(gpu, cpu, 2, refs(pages)) is None  # two blocks per chunk
-    two_groups = [refs(pages)[0][:2], refs(pages)[0][2:]]
+    gpu, cpu = gpu_views(pages), cpu_views(pages, ROW)
+    assert UniformLayout.of(gpu, cpu, 2, one_group(pages)) is None  # two blocks per chunk
+    two_groups = [one_group(pages)[0][:2], one_group(pages)[0][2:]]
     assert UniformLayout.of(gpu, cpu, 1, two_groups) is None
     gap = cpu[:2] + [RowGeometry(c.base + 64, c.row_stride, c.row_width, ROWS) for c in cpu[2:]]
-    assert UniformLayout.of(gpu, gap, 1, refs(pages)) is None  # not back to back
+    assert UniformLayout.of(gpu, gap, 1, one_group(pages)) is None  # not back to back
     strides = [*cpu[:3], RowGeometry(cpu[3].base, 2 * ROW, PAGE, ROWS)]
-    assert UniformLayout.of(gpu, strides, 1, refs(pages)) is None
+    assert UniformLayout.of(gpu, strides, 1, one_group(pages)) is None
     half = [[CanonicalKVCacheRef(t, PAGE // 2) for t in range(TENSORS)]]
     assert UniformLayout.of(gpu, cpu, 1, half) is None  # pages narrower than their views
     assert UniformLayout.of(gpu, cpu, 1, [[]]) is None
@@ -71,7 +53,7 @@ def test_other_layouts_take_the_general_path() -> None:
 @pytest.fixture
 def layout() -> UniformLayout:
     pages = [PAGE] * TENSORS
-    made = UniformLayout.of(gpu_views(pages), cpu_views(pages), 1, refs(pages))
+    made = UniformLayout.of(gpu_views(pages), cpu_views(pages, ROW), 1, one_group(pages))
     assert made is not None
     return made
 
@@ -157,7 +139,7 @@ def test_uniform_tables_move_every_byte_the_general_planner_moves(
 
 def test_the_staged_backend_keeps_a_bounded_cut_per_block_count_and_buffer() -> None:
     pages = [PAGE] * TENSORS
-    layout = UniformLayout.of(gpu_views(pages), cpu_views(pages), 1, refs(pages))
+    layout = UniformLayout.of(gpu_views(pages), cpu_views(pages, ROW), 1, one_group(pages))
     assert layout is not None
     # the cut needs neither the GPU nor the copy backends: a ring of host buffers will do
     none = cast(Any, None)
@@ -177,7 +159,8 @@ def test_the_staged_backend_keeps_a_bounded_cut_per_block_count_and_buffer() -> 
         backend._cut_for(layout, count, [p % 3 for p in range(-(-count // 4))], 4)
     assert len(backend._cuts) == CUTS_KEPT
     assert backend._cut_for(layout, 10, [1, 2, 0], 4)[0] is not first  # pushed out, cut again
-    other = UniformLayout.of(gpu_views(pages), cpu_views(pages, base=1 << 31), 1, refs(pages))
+    elsewhere = cpu_views(pages, ROW, base=1 << 31)
+    other = UniformLayout.of(gpu_views(pages), elsewhere, 1, one_group(pages))
     assert other is not None
     assert backend._cut_for(other, 10, [1, 2, 0], 4)[0] is not first
 
