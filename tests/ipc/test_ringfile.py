@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.ipc.errors import RingConfigError
+from kvshm.ipc import RingLayout, ShmRingBuffer
+from kvshm.ipc.errors import RingConfigError, RingFormatError
 from kvshm.ipc.ringfile import RingFile, check_name
 from kvshm.region.errors import UnsafePathError
 
@@ -99,3 +100,37 @@ def test_reopen_gives_the_same_file_even_after_unlink(tmp_path: Path) -> None:
             os.close(fd)
     finally:
         ring.close()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_file_shrunk_while_its_trailer_is_read_is_a_format_error(
+    shm_ring_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with ShmRingBuffer(1, 4096, 2, name="events", directory=shm_ring_dir, create=True) as ring:
+        real_pread = os.pread
+
+        def tenant_shrinks_it_first(fd: int, length: int, offset: int) -> bytes:
+            os.truncate(ring.path, offset + 10)  # between the size check and the read
+            return real_pread(fd, length, offset)
+
+        monkeypatch.setattr(os, "pread", tenant_shrinks_it_first)
+        before = open_fds()
+        with pytest.raises(RingFormatError, match=r"shrank from .* while its trailer was read"):
+            RingFile.open(shm_ring_dir, "events")
+        assert open_fds() == before
+
+
+def test_a_file_shrunk_before_it_is_mapped_is_a_format_error(shm_ring_dir: str) -> None:
+    with ShmRingBuffer(1, 4096, 2, name="events", directory=shm_ring_dir, create=True) as ring:
+
+        def tenant_shrinks_it_meanwhile(layout: RingLayout) -> bool:
+            os.truncate(ring.path, layout.total_bytes // 2)  # after the checks, before mmap
+            return True
+
+        before = open_fds()
+        with pytest.raises(RingFormatError, match=r"shrank below the .* bytes of its ring"):
+            ShmRingBuffer.attach(ring.path, attach_timeout=0, accept=tenant_shrinks_it_meanwhile)
+        assert open_fds() == before

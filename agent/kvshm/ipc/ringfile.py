@@ -81,7 +81,13 @@ class RingFile:
         # The creator chose the size and allocated it: MAP_POPULATE fills the page tables now,
         # so no message pays for first-touch faults. An attacher never populates (see above).
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if is_creator else 0)
-        self.mapping = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            self.mapping = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        except ValueError as exc:  # mmap's "length is greater than file size"
+            raise RingFormatError(
+                f"{self.path} shrank below the {size} bytes of its ring while being attached; "
+                f"something other than kvshm is changing the file"
+            ) from exc
 
     @property
     def path(self) -> str:
@@ -136,7 +142,7 @@ class RingFile:
             fd = safefile.open_existing(dir_fd, check_name(name), path)
             size = os.fstat(fd).st_size
             layout = (
-                RingLayout.from_trailer(os.pread(fd, LINE, size - LINE), size, path)
+                RingLayout.from_trailer(_read_trailer(fd, size, path), size, path)
                 if size >= LINE
                 else None
             )
@@ -155,7 +161,12 @@ class RingFile:
             os.close(fd)
             os.close(dir_fd)
             return None
-        return cls(directory, name, dir_fd, fd, False, layout.total_bytes), layout
+        try:
+            return cls(directory, name, dir_fd, fd, False, layout.total_bytes), layout
+        except BaseException:
+            os.close(fd)
+            os.close(dir_fd)
+            raise
 
     def rename(self, name: str) -> None:
         """Give the file another name in its directory, replacing whatever had that name (a
@@ -204,6 +215,17 @@ class RingFile:
             if fd >= 0:
                 os.close(fd)
         self._fd = self._dir_fd = -1
+
+
+def _read_trailer(fd: int, size: int, path: str) -> bytes:
+    """The last LINE bytes of a file found `size` bytes long, which may have shrunk since."""
+    trailer = os.pread(fd, LINE, size - LINE)
+    if len(trailer) < LINE:
+        raise RingFormatError(
+            f"{path} shrank from {size} bytes while its trailer was read; something other "
+            f"than kvshm is changing the file"
+        )
+    return trailer
 
 
 def _allocate(fd: int, size: int, path: str) -> None:
