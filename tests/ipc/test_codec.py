@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+import tracemalloc
 
 import pytest
 
@@ -13,9 +14,10 @@ from kvshm.ipc.codec import (
     PieceCursor,
     decode,
 )
-from kvshm.ipc.errors import RingFormatError
+from kvshm.ipc.errors import MessageTooLargeError, RingConfigError, RingFormatError
 
 MIB = 1 << 20
+RING = "/dev/shm/kvshm-test-ring"
 
 
 def encode(obj: object, size: int = 4096) -> tuple[bool, bytearray]:
@@ -87,7 +89,7 @@ def test_a_body_split_over_chunks_reassembles() -> None:
     obj = {"blob": bytes(range(256)) * 40, "oob": pickle.PickleBuffer(bytearray(b"o" * MIB))}
     pieces, total = encoder.encode_body(obj)
     cursor = PieceCursor(pieces)
-    assembler = FragmentAssembler()
+    assembler = FragmentAssembler(RING)
     chunk_bytes = 4096
     room = chunk_bytes - FRAGMENT.size
     sent, body = 0, None
@@ -112,13 +114,13 @@ def fragment(kind: int, value: int, payload: bytes, size: int = 64) -> memoryvie
 
 
 def test_continuations_without_their_start_are_skipped() -> None:
-    assembler = FragmentAssembler()
+    assembler = FragmentAssembler(RING)
     assert assembler.add(fragment(1, 54, b"late")) is None
     assert assembler.pending_bytes == 0
 
 
 def test_a_new_message_drops_the_unfinished_one() -> None:
-    assembler = FragmentAssembler()
+    assembler = FragmentAssembler(RING)
     assert assembler.add(fragment(0, 100, b"a" * 54)) is None
     assert assembler.pending_bytes == 54
     assert assembler.add(fragment(0, 10, b"b" * 10)) == b"b" * 10
@@ -127,7 +129,7 @@ def test_a_new_message_drops_the_unfinished_one() -> None:
 
 def test_an_absurd_fragment_total_is_reported_not_allocated() -> None:
     with pytest.raises(RingFormatError, match="announces"):
-        FragmentAssembler().add(fragment(0, 1 << 62, b""))
+        FragmentAssembler(RING).add(fragment(0, 1 << 62, b""))
 
 
 def test_damaged_messages_are_reported_not_misread() -> None:
@@ -138,3 +140,59 @@ def test_damaged_messages_are_reported_not_misread() -> None:
     struct.pack_into(">BHI", chunk, 0, 0, 0, 4)
     with pytest.raises(RingFormatError, match="damaged"):
         decode(memoryview(chunk), 1, copy_buffers=True)
+
+
+def test_a_buffer_count_past_the_end_of_the_body_is_reported_not_misread() -> None:
+    chunk = bytearray(4096)
+    # two buffers announced, but the pickle alone fills the chunk: no room for the second
+    struct.pack_into(">BHI", chunk, 0, 0, 2, 4096 - 7)
+    with pytest.raises(RingFormatError, match="claims 2 buffers"):
+        decode(memoryview(chunk), 1, copy_buffers=True)
+
+
+def test_a_first_fragment_too_short_for_a_body_is_reported() -> None:
+    for announced in (0, 5):
+        with pytest.raises(RingFormatError, match=f"announces {announced} bytes"):
+            FragmentAssembler(RING).add(fragment(0, announced, b""))
+
+
+def test_a_body_too_short_for_its_header_is_reported() -> None:
+    with pytest.raises(RingFormatError, match="shorter than its 6-byte header"):
+        decode(memoryview(bytearray(3)), 0, copy_buffers=False)
+
+
+def test_the_body_grows_with_the_fragments_not_to_what_the_first_one_announces() -> None:
+    announced = 256 * MIB
+    tracemalloc.start()
+    try:
+        assembler = FragmentAssembler(RING)
+        assert assembler.add(fragment(0, announced, b"x" * 54)) is None
+        assert assembler.add(fragment(1, 54, b"y" * 54)) is None
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert assembler.pending_bytes == 108
+    assert peak < MIB, f"{peak} bytes allocated for 108 bytes received"
+    assert assembler.drop("test over") == 108
+
+
+def test_a_message_over_the_readers_limit_is_skipped_unread() -> None:
+    assembler = FragmentAssembler(RING, max_message_bytes=100)
+    with pytest.raises(MessageTooLargeError, match=f"101 bytes arrived on ring {RING}") as err:
+        assembler.add(fragment(0, 101, b"x" * 54))
+    assert (err.value.size, err.value.limit) == (101, 100)
+    assert "max_message_bytes" in str(err.value)
+    assert assembler.add(fragment(1, 54, b"x" * 47)) is None  # its rest is skipped too
+    assert assembler.pending_bytes == 0
+    body = MessageEncoder().encode_body("fits")
+    chunk = bytearray(64)
+    FRAGMENT.pack_into(chunk, 0, 1, 0, body[1])
+    PieceCursor(body[0]).copy_into(memoryview(chunk)[FRAGMENT.size : FRAGMENT.size + body[1]])
+    got = assembler.add(memoryview(chunk))
+    assert got is not None and decode(got, 0, copy_buffers=False) == "fits"
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, True, (1 << 40) + 1])
+def test_a_limit_that_is_not_a_size_is_refused(limit: object) -> None:
+    with pytest.raises(RingConfigError, match="max_message_bytes"):
+        FragmentAssembler(RING, max_message_bytes=limit)  # type: ignore[arg-type]

@@ -3,15 +3,28 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import struct
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from kvshm.ipc import IpcError, MessageQueue, RingTimeout, WaitCancelled, WaitPolicy
+from kvshm.ipc import (
+    IpcError,
+    MessageQueue,
+    MessageTooLargeError,
+    RingConfigError,
+    RingFormatError,
+    RingTimeout,
+    WaitCancelled,
+    WaitPolicy,
+)
+from kvshm.ipc.codec import FIRST, FRAGMENT
 from tests.ipc.procs import QUICK
+from tests.ipc.tenant import scribbling_on
 
 MIB = 1 << 20
 
@@ -271,3 +284,77 @@ def test_an_idle_reader_is_woken_by_the_writer_not_by_its_sleep_ending(ring_dir:
         assert arrived - sent < 0.5  # woken, not timed out
         assert bytes(writer._ring.registry.sleepers) == b"\x00"
         reader.close()
+
+
+# -- a ring the tenant scribbled on (it can write the file) -------------------------------------
+
+
+@pytest.fixture
+def shm_queue(shm_ring_dir: str) -> Iterator[MessageQueue]:
+    writer = MessageQueue(1, 4096, 8, directory=shm_ring_dir, wait_policy=QUICK)
+    yield writer
+    writer.close()
+
+
+def scribble_next_chunk(writer: MessageQueue, data: bytes) -> None:
+    """Publish a placeholder, then overwrite the chunk it went to as the tenant would."""
+    layout = writer._ring.layout
+    index = writer._ring.registry.writer_cursor[0]
+    writer.enqueue("placeholder")
+    with scribbling_on(writer.path) as mapping:
+        offset = layout.chunk_offset(index)
+        mapping[offset : offset + len(data)] = data
+
+
+def test_a_reader_skips_messages_over_its_limit_and_goes_on(shm_queue: MessageQueue) -> None:
+    reader = MessageQueue.attach(shm_queue.path, wait_policy=QUICK, max_message_bytes=8192)
+    assert shm_queue.joined_readers() == [0]
+    shm_queue.enqueue(b"x" * 20_000)  # fragments through five chunks
+    shm_queue.enqueue("small")
+    with pytest.raises(MessageTooLargeError, match=r"at most 8192 bytes \(max_message_bytes\)"):
+        reader.dequeue(timeout=1)
+    assert reader.dequeue(timeout=1) == "small"
+    reader.close()
+
+
+def test_a_scribbled_length_costs_readers_no_memory(shm_queue: MessageQueue) -> None:
+    (reader,) = readers_of(shm_queue, 1)
+    announced = 256 * MIB  # within the default limit: only the bytes that arrive are held
+    scribble_next_chunk(shm_queue, FRAGMENT.pack(1, FIRST, announced))
+    shm_queue.enqueue("next")
+    tracemalloc.start()
+    try:
+        assert reader.dequeue(timeout=1) == "next"
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < MIB, f"the reader allocated {peak} bytes for a scribbled length"
+    reader.close()
+
+
+@pytest.mark.parametrize(
+    ("damage", "error"),
+    [
+        (FRAGMENT.pack(1, FIRST, 0), "announces 0 bytes"),
+        (struct.pack(">BHI", 0, 2, 4096 - 7), "claims 2 buffers"),
+    ],
+)
+def test_a_scribbled_message_is_a_format_error_and_the_next_one_arrives(
+    shm_queue: MessageQueue, damage: bytes, error: str
+) -> None:
+    (reader,) = readers_of(shm_queue, 1)
+    scribble_next_chunk(shm_queue, damage)
+    shm_queue.enqueue("next")
+    with pytest.raises(RingFormatError, match=error):
+        reader.dequeue(timeout=1)
+    assert reader.dequeue(timeout=1) == "next"
+    reader.close()
+
+
+def test_a_limit_that_is_not_a_size_is_refused_before_a_slot_is_taken(
+    shm_queue: MessageQueue,
+) -> None:
+    with pytest.raises(RingConfigError, match="max_message_bytes"):
+        MessageQueue.attach(shm_queue.path, max_message_bytes=0)
+    (reader,) = readers_of(shm_queue, 1)  # the refused reader took no slot
+    reader.close()

@@ -6,6 +6,7 @@ processes attached to a region. Pure Python and the standard library: no torch, 
 
 from kvshm.ipc.errors import (
     IpcError,
+    MessageTooLargeError,
     ReaderDiedError,
     ReaderEvictedError,
     RingConfigError,
@@ -27,6 +28,7 @@ __all__ = [
     "FENCE_KIND",
     "IpcError",
     "MessageQueue",
+    "MessageTooLargeError",
     "ReaderDiedError",
     "ReaderEvictedError",
     "RingConfigError",

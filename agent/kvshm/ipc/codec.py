@@ -13,6 +13,11 @@ byte 0, cut into fragments; each chunk holds:
 A reader returns a message only once all of it has arrived. Fragments it cannot place (it
 joined mid-message) are skipped; a half-received message is dropped when another message
 begins (the writer gave up on it: a timeout, or a writer that died and was replaced).
+
+Whoever can write the ring file can write anything into a chunk, so a reader trusts no length
+it finds there: a message body grows as its fragments arrive (a first fragment announcing a
+terabyte costs nothing until a terabyte arrives), a message announcing more than the reader's
+max_message_bytes is skipped unread, and lengths that do not fit are RingFormatError.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import pickle
 import struct
 from typing import Any
 
-from kvshm.ipc.errors import IpcError, RingFormatError
+from kvshm.ipc.errors import IpcError, MessageTooLargeError, RingConfigError, RingFormatError
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +154,11 @@ class PieceCursor:
 def decode(view: memoryview, offset: int, copy_buffers: bool) -> Any:
     """Unpickle the message body at view[offset:]. copy_buffers copies the out-of-band
     buffers out (needed when view is a chunk the writer will reuse)."""
+    if len(view) - offset < BODY_HEADER.size:
+        raise RingFormatError(
+            f"damaged message: a body of {len(view) - offset} bytes, shorter than its "
+            f"{BODY_HEADER.size}-byte header; the ring was written by something other than kvshm"
+        )
     count, pickle_bytes = BODY_HEADER.unpack_from(view, offset)
     start = offset + BODY_HEADER.size
     end = start + pickle_bytes
@@ -162,6 +172,11 @@ def decode(view: memoryview, offset: int, copy_buffers: bool) -> Any:
     buffers: list[bytearray | memoryview] = []
     position = end
     for _ in range(count - 1):
+        if position + LENGTH.size > len(view):
+            raise RingFormatError(
+                f"damaged message: it claims {count} buffers but ends after fewer; the ring "
+                f"was written by something other than kvshm"
+            )
         (size,) = LENGTH.unpack_from(view, position)
         position += LENGTH.size
         if position + size > len(view):
@@ -172,29 +187,41 @@ def decode(view: memoryview, offset: int, copy_buffers: bool) -> Any:
     return pickle.loads(view[start:end], buffers=buffers)
 
 
-class FragmentAssembler:
-    """One reader's message in the making, put together from overflow fragments."""
+def check_max_message_bytes(limit: int) -> int:
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= MAX_MESSAGE_BYTES:
+        raise RingConfigError(
+            f"max_message_bytes must be a whole number of bytes in 1..{MAX_MESSAGE_BYTES}: "
+            f"{limit!r}"
+        )
+    return limit
 
-    def __init__(self) -> None:
+
+class FragmentAssembler:
+    """One reader's message in the making, put together from overflow fragments.
+
+    Messages announcing more than max_message_bytes are skipped (MessageTooLargeError names
+    ring_path); the body grows with the fragments that arrive, never to what is announced.
+    """
+
+    def __init__(self, ring_path: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self._ring_path = ring_path
+        self._limit = check_max_message_bytes(max_message_bytes)
         self._body: bytearray | None = None
-        self._filled = 0
+        self._total = 0
 
     @property
     def pending_bytes(self) -> int:
-        return self._filled if self._body is not None else 0
+        return len(self._body) if self._body is not None else 0
 
     def drop(self, why: str) -> int:
         """Forget a half-received message; returns how many of its bytes had arrived."""
         dropped = self.pending_bytes
         if self._body is not None:
             log.warning(
-                "dropped an unfinished message (%d of %d bytes): %s",
-                dropped,
-                len(self._body),
-                why,
+                "dropped an unfinished message (%d of %d bytes): %s", dropped, self._total, why
             )
         self._body = None
-        self._filled = 0
+        self._total = 0
         return dropped
 
     def add(self, chunk: memoryview) -> memoryview | None:
@@ -203,21 +230,23 @@ class FragmentAssembler:
         if kind == FIRST:
             if self._body is not None:
                 self.drop("a new message began before it was complete")
-            if value > MAX_MESSAGE_BYTES:
+            if not BODY_HEADER.size <= value <= MAX_MESSAGE_BYTES:
                 raise RingFormatError(
                     f"damaged message: its first fragment announces {value} bytes; the ring "
                     f"was written by something other than kvshm"
                 )
-            self._body = bytearray(value)
-            self._filled = 0
-        elif self._body is None or value != self._filled:
+            if value > self._limit:
+                # its other fragments find no message begun, and are skipped like this one
+                raise MessageTooLargeError(self._ring_path, value, self._limit)
+            self._body = bytearray()
+            self._total = value
+        elif self._body is None or value != len(self._body):
             return None  # a fragment of a message this reader did not see begin: skip it
         body = self._body
-        take = min(len(body) - self._filled, len(chunk) - FRAGMENT.size)
-        body[self._filled : self._filled + take] = chunk[FRAGMENT.size : FRAGMENT.size + take]
-        self._filled += take
-        if self._filled < len(body):
+        take = min(self._total - len(body), len(chunk) - FRAGMENT.size)
+        body += chunk[FRAGMENT.size : FRAGMENT.size + take]
+        if len(body) < self._total:
             return None
         self._body = None
-        self._filled = 0
+        self._total = 0
         return memoryview(body)

@@ -12,7 +12,21 @@ class RingConfigError(IpcError, ValueError):
 
 
 class RingFormatError(IpcError, OSError):
-    """A file that is not a kvshm ring, or a ring of another geometry than asked for."""
+    """A file that is not a kvshm ring, a ring of another geometry than asked for, or a ring
+    whose contents something other than kvshm wrote (a damaged message is skipped)."""
+
+
+class MessageTooLargeError(RingFormatError):
+    """A message larger than the reader's max_message_bytes; it was skipped, unread."""
+
+    def __init__(self, path: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"a message of {size} bytes arrived on ring {path}; this reader takes at most "
+            f"{limit} bytes (max_message_bytes), so it skipped it without reading it. If the "
+            f"writer really sends messages this large, attach with a larger max_message_bytes."
+        )
+        self.size = size
+        self.limit = limit
 
 
 class RoleBusyError(IpcError, RuntimeError):

@@ -11,10 +11,12 @@ from kvshm.ipc.codec import (
     CONTINUATION,
     FIRST,
     FRAGMENT,
+    MAX_MESSAGE_BYTES,
     OOB_THRESHOLD,
     FragmentAssembler,
     MessageEncoder,
     PieceCursor,
+    check_max_message_bytes,
     decode,
 )
 from kvshm.ipc.errors import IpcError, WriterDiedError
@@ -47,7 +49,9 @@ class MessageQueue:
     """The writer's end when constructed; a reader's end from create_from_handle() or attach().
 
     Each reader receives every message enqueued after it joined, exactly once, in order.
-    Messages larger than a chunk travel as fragments through the following chunks.
+    Messages larger than a chunk travel as fragments through the following chunks. A reader
+    skips (MessageTooLargeError) a message of more than its max_message_bytes, and steps over
+    a damaged one (RingFormatError): the next dequeue goes on with the message after it.
     """
 
     def __init__(
@@ -80,14 +84,19 @@ class MessageQueue:
         self._setup(ring, writer, oob_threshold, unlink=True)
 
     def _setup(
-        self, ring: ShmRingBuffer, role: RingWriter | RingReader, oob_threshold: int, unlink: bool
+        self,
+        ring: ShmRingBuffer,
+        role: RingWriter | RingReader,
+        oob_threshold: int,
+        unlink: bool,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         self._ring = ring
         self._writer = role if isinstance(role, RingWriter) else None
         self._reader = role if isinstance(role, RingReader) else None
         self._unlink = unlink
         self._encoder = MessageEncoder(oob_threshold)
-        self._assembler = FragmentAssembler()
+        self._assembler = FragmentAssembler(ring.path, max_message_bytes)
         self._closed = False
 
     @classmethod
@@ -112,13 +121,25 @@ class MessageQueue:
 
     @classmethod
     def reader_of(
-        cls, ring: ShmRingBuffer, rank: int | None = None, *, wait_policy: WaitPolicy | None = None
+        cls,
+        ring: ShmRingBuffer,
+        rank: int | None = None,
+        *,
+        wait_policy: WaitPolicy | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> MessageQueue:
         """A reader's end over an open ring (slot `rank`, or the first free one); the queue
-        takes the ring over and closes it."""
-        reader = _role_or_close(ring, lambda: RingReader(ring, rank, wait_policy))
+        takes the ring over and closes it. Messages of more than max_message_bytes are
+        skipped unread (MessageTooLargeError), so a reader that expects small messages bounds
+        what a scribbled ring can make it hold."""
+
+        def take_slot() -> RingReader:
+            check_max_message_bytes(max_message_bytes)
+            return RingReader(ring, rank, wait_policy)
+
+        reader = _role_or_close(ring, take_slot)
         queue = cls.__new__(cls)
-        queue._setup(ring, reader, OOB_THRESHOLD, unlink=False)
+        queue._setup(ring, reader, OOB_THRESHOLD, False, max_message_bytes)
         return queue
 
     @classmethod
@@ -129,9 +150,15 @@ class MessageQueue:
         *,
         wait_policy: WaitPolicy | None = None,
         attach_timeout: float = DEFAULT_ATTACH_TIMEOUT_SECONDS,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> MessageQueue:
         """A reader, from the writer's export_handle(). rank=None takes the first free slot."""
-        return cls.reader_of(handle.attach(attach_timeout), rank, wait_policy=wait_policy)
+        return cls.reader_of(
+            handle.attach(attach_timeout),
+            rank,
+            wait_policy=wait_policy,
+            max_message_bytes=max_message_bytes,
+        )
 
     @classmethod
     def attach(
@@ -141,12 +168,15 @@ class MessageQueue:
         *,
         wait_policy: WaitPolicy | None = None,
         attach_timeout: float = DEFAULT_ATTACH_TIMEOUT_SECONDS,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> MessageQueue:
         """A reader, from the ring file's path alone (e.g. in a pod mounting the region dir).
 
         Also how a replacement reader re-joins: attach with the dead reader's rank."""
         ring = ShmRingBuffer.attach(path, attach_timeout)
-        return cls.reader_of(ring, rank, wait_policy=wait_policy)
+        return cls.reader_of(
+            ring, rank, wait_policy=wait_policy, max_message_bytes=max_message_bytes
+        )
 
     @classmethod
     def resume_writer(
