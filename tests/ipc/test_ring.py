@@ -4,6 +4,7 @@ import gc
 import os
 import pickle
 import stat
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from kvshm.ipc import (
 )
 from kvshm.ipc.layout import LINE
 from tests.ipc.procs import QUICK
+from tests.ipc.tenant import scribbling_on
 
 
 def send(writer: RingWriter, data: bytes, timeout: float | None = 1.0) -> None:
@@ -288,4 +290,56 @@ def test_a_restarted_writer_continues_where_the_old_one_stopped(ring_dir: str) -
         send(new, b"\x02")
         send(new, b"\x03")  # wraps around into the chunk the reader has read
         assert [receive(reader, 1) for _ in range(3)] == [b"\x01", b"\x02", b"\x03"]
+        new.close()
+
+
+def test_a_scribbled_start_is_a_format_error_and_the_reader_joins_again(
+    shm_ring_dir: str,
+) -> None:
+    with ShmRingBuffer(1, 256, 4, directory=shm_ring_dir) as ring:
+        writer = RingWriter(ring, QUICK)
+        reader = RingReader(ring, 0, QUICK)
+        writer.joined_readers()  # the writer carries the join out: start = chunk 0
+        with scribbling_on(ring.path) as mapping:
+            struct.pack_into("<I", mapping, ring.layout.reader_slot_offset(0) + 4, 1000)
+        with pytest.raises(RingFormatError, match="start at chunk 1000, but the ring has 4"):
+            reader.acquire(timeout=1)
+        send(writer, b"after")  # carries out the join the reader asked for again
+        assert receive(reader, 5) == b"after"
+        reader.close()
+        writer.close()
+
+
+def test_evict_mode_evicts_a_dead_reader_even_if_every_send_times_out_sooner(
+    shm_ring_dir: str,
+) -> None:
+    grace = QUICK.peer_death_grace_seconds
+    with joined(shm_ring_dir, 2, on_dead_reader="evict") as (writer, (alive, doomed)):
+        fill(writer, 2)
+        receive(alive, 1)
+        die(doomed)
+        started = time.monotonic()
+        while True:
+            try:
+                send(writer, b"x", timeout=grace / 4)
+                break
+            except RingTimeout:
+                assert time.monotonic() - started < 10 * grace, "the dead reader was never evicted"
+        assert writer.joined_readers() == [0]
+        assert time.monotonic() - started >= grace
+
+
+def test_a_writer_that_died_inside_publish_is_resumed_in_order(shm_ring_dir: str) -> None:
+    with joined(shm_ring_dir, 1, chunks=4) as (old, (reader,)):
+        send(old, b"A")
+        # a crash after publish() set chunk 0's written flag, before it stored the cursor
+        old._ring.registry.writer_cursor[0] = 0
+        die(old)
+        assert receive(reader, 1) == b"A"
+        new = RingWriter(reader._ring, QUICK)
+        got = []
+        for message in (b"B", b"C", b"D", b"E", b"F"):
+            send(new, message)
+            got.append(receive(reader, 1))
+        assert got == [b"B", b"C", b"D", b"E", b"F"]
         new.close()

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from kvshm.ipc.errors import (
     ReaderEvictedError,
     RingConfigError,
+    RingFormatError,
     RoleBusyError,
     WriterDiedError,
 )
@@ -116,7 +117,17 @@ class RingReader:
         """Whether the writer has carried out our join; on the first yes, take the start."""
         if not self._joined and self._registry.acks[self.rank] == self._generation:
             load_fence()  # the acknowledgement before the start position it publishes
-            self._index = self._registry.start(self.rank)
+            start = self._registry.start(self.rank)
+            if start >= len(self._chunks):
+                # not the writer's: someone else wrote the slot. Ask for a fresh start.
+                self._generation = self._post(JOIN)
+                raise RingFormatError(
+                    f"reader {self.rank} of ring {self.path} was told to start at chunk "
+                    f"{start}, but the ring has {len(self._chunks)} chunks: something other "
+                    f"than kvshm wrote the ring. It asked the writer to join it again; the "
+                    f"next call waits for that"
+                )
+            self._index = start
             self._joined = True
         return self._joined
 

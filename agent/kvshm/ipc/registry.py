@@ -15,7 +15,10 @@ the writer bumps the wake word after each publication, fences, and wakes the wor
 if any sleepers byte is set.
 
 Slot records hold a pid, a host name and a chunk index, little-endian; they are for messages
-and for a restarted writer (its cursor), not for liveness, which is the byte locks' job.
+and for a restarted writer (its cursor), not for liveness, which is the byte locks' job. The
+writer's slot also holds, after its record, 1 + the chunk it last began to publish: a writer
+that died after setting that chunk's written flag but before storing its cursor left the cursor
+on a chunk the readers have already passed, and its successor must not write there again.
 """
 
 from __future__ import annotations
@@ -58,10 +61,12 @@ class Registry:
         self.wake_word = buffer[layout.wake_offset : layout.wake_offset + 4].cast("I")
         cursor = layout.writer_slot_offset + 4
         self.writer_cursor = buffer[cursor : cursor + 4].cast("I")
+        publishing = layout.writer_slot_offset + _RECORD.size
+        self.writer_publishing = buffer[publishing : publishing + 4].cast("I")
 
     def release(self) -> None:
         views = (self.requests, self.kinds, self.acks, self.active, self.sleepers)
-        for view in (*views, self.wake_word, self.writer_cursor):
+        for view in (*views, self.wake_word, self.writer_cursor, self.writer_publishing):
             view.release()
 
     # -- reader slots ------------------------------------------------------------------------

@@ -28,8 +28,10 @@ class RingWriter:
     acquire() came after the writer carried out its join. A joined reader that dies blocks the
     writer until a replacement joins its slot or peer_death_grace_seconds pass; then the
     writer raises ReaderDiedError (on_dead_reader="raise") or evicts it and goes on ("evict").
+    The grace period runs from when the writer first found the reader dead, across calls: a
+    writer whose every send times out sooner still evicts (or raises) once it has passed.
     A writer restarted on an existing ring (its predecessor died) continues at the chunk its
-    predecessor would have written next.
+    predecessor would have written next, also when the predecessor died inside publish().
     """
 
     def __init__(
@@ -54,12 +56,15 @@ class RingWriter:
             )
         # closing the descriptor drops the lock: on close(), on collection, or at exit
         self._release_role = weakref.finalize(self, os.close, self._lock_fd)
-        self._index = registry.writer_cursor[0] % ring.max_chunks
-        registry.record_writer()
         self._chunks = ring.chunks
         self._flags = ring.flags
         self._reads = ring.read_flags
         self._cursor = registry.writer_cursor
+        self._publishing = registry.writer_publishing
+        self._index = self._resume_index()
+        registry.record_writer()
+        # reader rank -> when this writer, blocked on it, first found it dead
+        self._dead_since: dict[int, float] = {}
         self._wake_word = registry.wake_word
         self._sleepers = registry.sleepers
         self._nobody_asleep = bytes(ring.n_reader)
@@ -72,6 +77,16 @@ class RingWriter:
     @property
     def path(self) -> str:
         return self._ring.path
+
+    def _resume_index(self) -> int:
+        """The chunk to write next: the cursor, or the chunk after it if a predecessor died
+        inside publish() after setting that chunk's written flag (the readers may have read
+        it already; writing there again would deliver the next message a lap late)."""
+        cursor = self._cursor[0] % len(self._chunks)
+        if self._publishing[0] == cursor + 1 and self._flags[cursor][0]:
+            cursor = (cursor + 1) % len(self._chunks)
+            self._cursor[0] = cursor
+        return cursor
 
     # -- the hot path ------------------------------------------------------------------------
 
@@ -94,7 +109,8 @@ class RingWriter:
         index = self._index
         copy_fence()  # the chunk's bytes before the cleared read flags
         self._reads[index][:] = self._fresh
-        store_fence()  # the cleared read flags before written = 1
+        self._publishing[0] = index + 1  # for a successor, should this process die from here
+        store_fence()  # the cleared read flags and publishing mark before written = 1
         self._flags[index][0] = 1
         index += 1
         if index == len(self._chunks):
@@ -118,7 +134,7 @@ class RingWriter:
 
     def _wait_writable(self, index: int, timeout: float | None, cancel: CancelEvent | None) -> None:
         flags, reads = self._flags[index], self._reads[index]
-        dead_since: dict[int, float] = {}
+        dead_since = self._dead_since
 
         def describe() -> str:
             return (
@@ -183,6 +199,7 @@ class RingWriter:
                 continue
             load_fence()  # the request generation before its kind
             self._ring.mark_read_everywhere(rank)
+            self._dead_since.pop(rank, None)  # a new holder, or none: no one to wait for
             if registry.kinds[rank] == JOIN:
                 registry.set_start(rank, self._index)
                 registry.active[rank] = 1
@@ -200,6 +217,7 @@ class RingWriter:
         if not 0 <= rank < self._ring.n_reader:
             raise RingConfigError(f"reader rank {rank} is not in 0..{self._ring.n_reader - 1}")
         self._ring.mark_read_everywhere(rank)
+        self._dead_since.pop(rank, None)
         self._registry.active[rank] = 0
         self._registry.sleepers[rank] = 0  # a dead reader may have died asleep
         self._fresh = self._fresh_read_flags()
