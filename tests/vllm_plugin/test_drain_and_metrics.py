@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import struct
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,8 +19,10 @@ from prometheus_client import REGISTRY
 from kvshm.agent.drain import DrainEvent
 from kvshm.agent.notify import CHUNK_BYTES, CHUNKS, EVENTS_RING
 from kvshm.ipc import MessageQueue, WaitPolicy
-from kvshm.vllm.events import ATTACH_TIMEOUT_S, Drain, DrainListener
+from kvshm.ipc.codec import FIRST, FRAGMENT
+from kvshm.vllm.events import ATTACH_TIMEOUT_S, DRAIN_EVENT_MAX_BYTES, Drain, DrainListener
 from kvshm.vllm.worker import RegionDrainedError
+from tests.ipc.tenant import scribbling_on
 from tests.vllm_plugin.checks import finish
 from tests.vllm_plugin.conftest import Engine
 from tests.vllm_plugin.engine import CPU_PAGE, GPU_BLOCKS, NUM_CHUNKS, TINY_LAYERS, TINY_PAGE
@@ -113,6 +118,89 @@ def test_a_listener_closed_before_any_queue_exists_stops(shm_dir: Path) -> None:
     assert time.perf_counter() - started < 2 * ATTACH_TIMEOUT_S
     assert not listener.listening
     assert not (shm_dir / EVENTS_RING).exists()
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def send_and_see_read(events: MessageQueue, message: object, rank: int = 0) -> None:
+    """Enqueue message and wait until reader `rank` has taken it off the ring."""
+    chunk = events._ring.registry.writer_cursor[0]
+    events.enqueue(message, timeout=5.0)
+    wait_for(lambda: events._ring.read_flags[chunk][rank] == 1, f"reader {rank} read nothing")
+
+
+def publish_damaged(events: MessageQueue, data: bytes) -> None:
+    """A chunk of `data` reaches the listener: what it sees when the tenant scribbled over a
+    message between its publication and its reading (published raw here, as the listener would
+    otherwise race the scribble)."""
+    writer = events._writer
+    assert writer is not None
+    chunk = writer.acquire(timeout=5.0)
+    chunk[: len(data)] = data
+    writer.publish()
+
+
+def drain_for(instance: str) -> dict[str, object]:
+    return DrainEvent("team-a", "llama", instance, "node drained", time.time() + 30).to_message()
+
+
+def test_the_listener_steps_over_damage_in_its_ring_and_still_follows_the_drain(
+    shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvshm.vllm.events")
+    events = agent_events(shm_dir)
+    drains: list[Drain] = []
+    listener = DrainListener(str(shm_dir), "me", drains.append, retry_s=0.05)
+    try:
+        assert listener.wait_listening(10)
+        # the tenant forges the writer's answer to the join: a start past the ring's end
+        registry = events._ring.registry
+        with scribbling_on(events.path) as mapping:
+            struct.pack_into("<I", mapping, events._ring.layout.reader_slot_offset(0) + 4, 1000)
+            mapping[events._ring.layout.acks_offset] = registry.requests[0]
+        wait_for(lambda: "start at chunk 1000" in caplog.text, "the forged start was not seen")
+        assert listener.listening
+        events.joined_readers()  # carries out the join the listener asked for again
+        send_and_see_read(events, drain_for("another"))
+        publish_damaged(events, FRAGMENT.pack(1, FIRST, 0))  # a message of no bytes
+        send_and_see_read(events, drain_for("another"))
+        # larger than any drain event: skipped unread, as a scribbled length would be
+        send_and_see_read(events, {"type": "noise", "pad": b"x" * (DRAIN_EVENT_MAX_BYTES + 1)})
+        assert "MessageTooLargeError" in caplog.text and "announces 0 bytes" in caplog.text
+        assert listener.listening
+        events.enqueue(drain_for("me"), timeout=5.0)
+        wait_for(lambda: bool(drains), "the drain after the damage was not followed")
+        assert [drain.instance_id for drain in drains] == ["me"]
+        wait_for(lambda: not listener.listening, "a listener whose drain came still listens")
+        assert events.joined_readers() == []  # and it left the queue
+    finally:
+        listener.close()
+        events.close()
+
+
+def test_an_evicted_listener_joins_again_and_follows_the_drain(shm_dir: Path) -> None:
+    events = agent_events(shm_dir)
+    drains: list[Drain] = []
+    # it re-joins retry_s after the eviction: long enough to see it not listening meanwhile
+    listener = DrainListener(str(shm_dir), "me", drains.append, retry_s=0.5)
+    try:
+        assert listener.wait_listening(10)
+        events.joined_readers()
+        send_and_see_read(events, drain_for("another"))
+        events.evict_reader(0)  # as the agent does with a reader it took for dead
+        wait_for(lambda: not listener.listening, "the evicted listener still says it listens")
+        assert listener.wait_listening(10), "the evicted listener did not join again"
+        wait_for(lambda: bool(events.joined_readers()), "the writer saw no new join")
+        events.enqueue(drain_for("me"), timeout=5.0)
+        wait_for(lambda: bool(drains), "the drain after the eviction was not followed")
+    finally:
+        listener.close()
+        events.close()
 
 
 def test_transfer_metrics_of_a_worker_process_reach_vllms_registry(
