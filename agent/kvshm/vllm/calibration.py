@@ -17,9 +17,10 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import socket
+import stat
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from kvshm.region.safefile import create_exclusive, describe_file_type, open_checked
 from kvshm.transfer import CPULoadStoreSpec, GPULoadStoreSpec, SingleDirectionOffloadingHandler
 from kvshm.transfer.chooser import BACKEND_NAMES, COPY_ENGINES, SM_FREE_BACKENDS, BackendPolicy
 from kvshm.transfer.metrics import Direction
@@ -96,20 +98,87 @@ def layout_key(pages: Sequence[int], blocks_per_chunk: int, sm_free: bool = Fals
 CHOICES = ("store", "load", "store_beside", "load_beside")
 
 
+CACHE_FILE = "backend-choices.json"
+# A cache holds a few hundred bytes a layout: more than this is not one (a symlink to
+# /dev/zero, say), and is not read whole.
+MAX_CACHE_BYTES = 1024 * 1024
+# Pods sharing a node directory may read each other's choices; only the writer may change them.
+CACHE_FILE_MODE = 0o644
+CACHE_DIR_MODE = 0o755
+
+
+class UnusableCacheError(OSError):
+    """Something other than a readable cache file, or a directory, is where the cache goes."""
+
+
+def _regular_file(st: os.stat_result, path: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise UnusableCacheError(f"{path} is {describe_file_type(st.st_mode)}, not a regular file")
+
+
 class ChoiceCache:
     """{host: {layout: {"store": b, "load": b, "store_beside": b, "load_beside": b}}} in one
     JSON file (Measurement.choice says what each means). The file is only a cache: an entry
     that does not read as choices among the known backends is measured again, and a directory
-    that cannot be written loses nothing but the next start's measurement."""
+    that cannot be written loses nothing but the next start's measurement.
+
+    The directory may be a node directory that others can write too: the file is opened without
+    following a symlink, only if it is a regular file (a FIFO would block the first transfer),
+    and read up to MAX_CACHE_BYTES; anything else counts as no cache. The directory itself is
+    never entered through a symlink, and the file is replaced whole, never written through."""
 
     def __init__(self, directory: Path | None = None) -> None:
-        self.path = (directory or default_cache_dir()) / "backend-choices.json"
+        self.directory = directory or default_cache_dir()
+        self.path = self.directory / CACHE_FILE
+        self._reported: set[str] = set()
+
+    def _report(self, message: str) -> None:
+        """Warn once per cache of each reason (get and put both read the file)."""
+        if message not in self._reported:
+            self._reported.add(message)
+            log.warning(message)
+
+    def _open_directory(self) -> int:
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(self.directory, flags)
+        except OSError as exc:
+            try:
+                mode = os.lstat(self.directory).st_mode
+            except OSError:
+                raise exc from None  # missing, or not to be looked at: the open's error says so
+            if stat.S_ISDIR(mode):
+                raise
+            raise UnusableCacheError(
+                f"{self.directory} is {describe_file_type(mode)}, not a directory; name the "
+                f"directory itself in kvshm_cache_dir"
+            ) from exc
+
+    def _read(self) -> bytes:
+        directory = self._open_directory()
+        try:
+            fd = open_checked(CACHE_FILE, os.O_RDONLY, str(self.path), directory, _regular_file)
+        finally:
+            os.close(directory)
+        with os.fdopen(fd, "rb") as file:
+            text = file.read(MAX_CACHE_BYTES + 1)
+        if len(text) > MAX_CACHE_BYTES:
+            raise UnusableCacheError(f"{self.path} is larger than {MAX_CACHE_BYTES} bytes")
+        return text
 
     def load(self) -> dict[str, Any]:
-        """The file's JSON object as read, unchecked ({} if there is none)."""
+        """The file's JSON object as read, unchecked ({} if there is none, or it is not a
+        regular file of at most MAX_CACHE_BYTES)."""
         try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            data = json.loads(self._read())
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            self._report(
+                f"kvshm: not using the cached copy backends ({exc}): they are measured again"
+            )
+            return {}
+        except ValueError:
             return {}
         return data if isinstance(data, dict) else {}
 
@@ -128,24 +197,40 @@ class ChoiceCache:
         if not isinstance(data.get(host), dict):
             data[host] = {}
         data[host][layout] = choice
-        written: str | None = None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(
-                "w", dir=self.path.parent, prefix=".backend-choices-", delete=False
-            ) as out:
-                written = out.name
-                json.dump(data, out, indent=1)
-            os.replace(written, self.path)  # another worker's write is replaced whole, not torn
+            self.directory.mkdir(mode=CACHE_DIR_MODE, parents=True, exist_ok=True)
+            directory = self._open_directory()
+            try:
+                _replace(directory, CACHE_FILE, json.dumps(data, indent=1).encode())
+            finally:
+                os.close(directory)
         except OSError as exc:
-            if written is not None:  # the file was made, then could not be filled or renamed
-                Path(written).unlink(missing_ok=True)
             log.warning(
                 "kvshm: could not keep the measured copy backends in %s (%s): the next start "
                 "measures again; set kvshm_cache_dir to a writable directory",
                 self.path,
                 exc,
             )
+
+
+def _replace(directory: int, name: str, content: bytes) -> None:
+    """Replace `name` in the directory with a new file of `content`, whole: a reader sees the
+    old file or the new one, never a torn one, and a symlink at the name is replaced, not
+    followed."""
+    for _ in range(16):
+        temporary = f".{name}.{secrets.token_hex(6)}"
+        fd = create_exclusive(directory, temporary, CACHE_FILE_MODE)
+        if fd is not None:
+            break
+    else:
+        raise FileExistsError(f"no free temporary name for {name}")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(content)
+        os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+    except BaseException:
+        os.unlink(temporary, dir_fd=directory)
+        raise
 
 
 def _scratch(gpu_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,0 +1,192 @@
+"""The calibration's cache file (kvshm.vllm.calibration.ChoiceCache): what a start reads, what
+it writes. The directory may be a node directory others can write."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvshm.vllm.calibration import (
+    CACHE_FILE,
+    MAX_CACHE_BYTES,
+    ChoiceCache,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- what a start reads -------------------------------------------------------------------
+
+# ChoiceCache in a process of its own, its memory bounded: a read without bound fails there
+# with MemoryError, and one that blocks is killed by the timeout, failing the test.
+IN_A_CHILD = """
+import resource, stat, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+from pathlib import Path
+from kvshm.vllm.calibration import ChoiceCache
+cache = ChoiceCache(Path(sys.argv[1]))
+print("got", cache.get("host", "layout"))
+cache.put("host", "layout", {"store": "dma"})
+print("replaced by a regular file:", stat.S_ISREG(cache.path.lstat().st_mode))
+print("got", cache.get("host", "layout"))
+"""
+
+
+@pytest.mark.parametrize("plant", ["fifo", "symlink to /dev/zero"])
+def test_a_fifo_or_a_device_at_the_cache_file_counts_as_no_cache(
+    tmp_path: Path, plant: str
+) -> None:
+    """Anyone who can write a shared cache directory could block the first transfer on a FIFO
+    (it runs under the worker's lock) or fill the engine's memory from /dev/zero. The
+    measured choice then replaces what was there."""
+    if plant == "fifo":
+        os.mkfifo(tmp_path / CACHE_FILE)
+    else:
+        (tmp_path / CACHE_FILE).symlink_to("/dev/zero")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "agent"), str(REPO)])}
+    child = subprocess.run(
+        [sys.executable, "-c", IN_A_CHILD, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.splitlines() == [
+        "got None",
+        "replaced by a regular file: True",
+        "got {'store': 'dma'}",
+    ]
+    kind = "a FIFO" if plant == "fifo" else "a symbolic link"
+    assert f"{tmp_path / CACHE_FILE} is {kind}, not a regular file" in child.stderr
+
+
+def test_a_symlink_at_the_cache_file_is_not_followed_and_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({"host": {"layout": {"store": "dma"}}}))
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    (cache_dir / CACHE_FILE).symlink_to(elsewhere)
+    cache = ChoiceCache(cache_dir)
+    with caplog.at_level(logging.WARNING):
+        assert cache.get("host", "layout") is None
+        assert cache.get("host", "layout") is None
+    warnings = [r.getMessage() for r in caplog.records if "is a symbolic link" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "measured again" in warnings[0]
+
+
+def test_a_cache_file_over_the_bound_counts_as_no_cache(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = ChoiceCache(tmp_path)
+    cache.put("host", "layout", {"store": "dma"})
+    with cache.path.open("ab") as grown:  # sparse: no disk used
+        grown.truncate(MAX_CACHE_BYTES + 1)
+    assert cache.get("host", "layout") is None
+    assert f"larger than {MAX_CACHE_BYTES} bytes" in caplog.text
+
+
+def test_a_symlinked_cache_directory_is_neither_read_nor_written(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A name planted in a shared directory, pointing where this pod may write, must not get
+    the cache written there."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / CACHE_FILE).write_text(json.dumps({"host": {"layout": {"store": "dma"}}}))
+    planted = tmp_path / "kvshm"
+    planted.symlink_to(target)
+    cache = ChoiceCache(planted)
+    assert cache.get("host", "layout") is None
+    cache.put("host", "other", {"store": "dma"})
+    assert sorted(p.name for p in target.iterdir()) == [CACHE_FILE]
+    assert json.loads((target / CACHE_FILE).read_text()) == {"host": {"layout": {"store": "dma"}}}
+    assert f"{planted} is a symbolic link, not a directory" in caplog.text
+
+
+# -- what a start writes ------------------------------------------------------------------
+
+
+def test_put_replaces_a_symlink_at_the_name_never_writing_through_it(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    (cache_dir / CACHE_FILE).symlink_to(victim)
+    cache = ChoiceCache(cache_dir)
+    cache.put("host", "layout", {"store": "dma"})
+    assert victim.read_text() == "untouched"
+    assert stat.S_ISREG(os.lstat(cache.path).st_mode)
+    assert cache.get("host", "layout") == {"store": "dma"}
+    assert sorted(p.name for p in cache_dir.iterdir()) == [CACHE_FILE]  # no temporary left
+
+
+def test_the_cache_is_writable_by_its_writer_only(tmp_path: Path) -> None:
+    """Pods sharing a node directory may read one another's choices, never change them."""
+    old = os.umask(0)  # whatever the process's umask
+    try:
+        ChoiceCache(tmp_path / "kvshm").put("host", "layout", {"store": "dma"})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "kvshm" / CACHE_FILE).st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(tmp_path / "kvshm").st_mode) == 0o755
+
+
+def test_the_cache_keeps_other_layouts_and_survives_a_broken_file(tmp_path: Path) -> None:
+    cache = ChoiceCache(tmp_path)
+    cache.path.write_text("{not json")
+    assert cache.get("host", "layout") is None
+    cache.put("host", "a", {"store": "dma", "load": "kernel"})
+    cache.put("host", "b", {"store": "staged", "load": "dma"})
+    assert cache.get("host", "a") == {"store": "dma", "load": "kernel"}
+    assert cache.get("other-host", "a") is None
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"store": "warp-drive", "load": "dma"},  # not a backend
+        {"store": ["dma"], "load": "dma"},  # not a name
+        {"store": "dma", "teleport": "dma"},  # not a choice
+        {},
+        "dma",
+    ],
+)
+def test_a_cached_entry_that_is_not_choices_among_the_backends_is_measured_again(
+    tmp_path: Path, entry: object
+) -> None:
+    cache = ChoiceCache(tmp_path)
+    cache.path.write_text(json.dumps({"host": {"layout": entry}, "other": ["x"]}))
+    assert cache.get("host", "layout") is None
+    assert cache.get("other", "layout") is None
+    cache.put("other", "layout", {"store": "dma"})  # a host entry that is not a dict is replaced
+    assert cache.get("other", "layout") == {"store": "dma"}
+
+
+def test_a_cache_that_cannot_be_written_loses_only_the_next_starts_measurement(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cache = ChoiceCache(blocker / "kvshm")  # its directory cannot be made
+    cache.put("host", "layout", {"store": "dma"})  # no exception: the choice stays in use
+    assert cache.get("host", "layout") is None
+    assert "set kvshm_cache_dir to a writable directory" in caplog.text
+    writable = ChoiceCache(tmp_path)
+    writable.put("host", "layout", {"store": "dma"})
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp left
+    # written, but the rename refused (a directory in the way): the written copy goes too
+    blocked = tmp_path / "blocked"
+    (blocked / "backend-choices.json").mkdir(parents=True)
+    ChoiceCache(blocked).put("host", "layout", {"store": "dma"})
+    assert sorted(p.name for p in blocked.iterdir()) == ["backend-choices.json"]
