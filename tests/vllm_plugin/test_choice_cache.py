@@ -1,5 +1,5 @@
 """The calibration's cache file (kvshm.vllm.calibration.ChoiceCache): what a start reads, what
-it writes. The directory may be a node directory others can write."""
+it writes, and under which key. The directory may be a node directory others can write."""
 
 from __future__ import annotations
 
@@ -9,17 +9,45 @@ import os
 import stat
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvshm.transfer import SingleDirectionOffloadingHandler
 from kvshm.vllm.calibration import (
     CACHE_FILE,
     MAX_CACHE_BYTES,
     ChoiceCache,
+    choose,
+    host_key,
+    layout_key,
 )
 
 REPO = Path(__file__).resolve().parents[2]
+CPU = torch.device("cpu")
+
+
+class Measured(Exception):
+    """Raised where the calibration starts measuring: the cache was not used."""
+
+
+def measuring(
+    gpu_to_cpu: bool, backend: str | None, tensors: Sequence[torch.Tensor]
+) -> SingleDirectionOffloadingHandler:
+    raise Measured
+
+
+def choose_for(
+    tensors: Sequence[torch.Tensor], cache: ChoiceCache, sm_free: bool = False
+) -> dict[str, str]:
+    """choose() for these KV tensors, 1 block a chunk; Measured unless the cache answers."""
+    return choose(measuring, tensors, 64, 1, 1, cache, sm_free=sm_free)
+
+
+def separate(pages: Sequence[int]) -> list[torch.Tensor]:
+    return [torch.zeros((8, page), dtype=torch.int8) for page in pages]
 
 
 # -- what a start reads -------------------------------------------------------------------
@@ -190,3 +218,29 @@ def test_a_cache_that_cannot_be_written_loses_only_the_next_starts_measurement(
     (blocked / "backend-choices.json").mkdir(parents=True)
     ChoiceCache(blocked).put("host", "layout", {"store": "dma"})
     assert sorted(p.name for p in blocked.iterdir()) == ["backend-choices.json"]
+
+
+# -- under which key ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cached", "sm_free", "used"),
+    [
+        ({"store": "kernel", "load": "staged"}, True, False),  # take the SMs
+        ({"store": "strided", "load": "dma"}, True, True),
+        ({"store": "strided", "load": "dma"}, False, False),  # never measured but by copy-engines
+        ({"store": "kernel", "load": "staged"}, False, True),
+    ],
+)
+def test_a_cached_choice_is_used_only_among_the_backends_its_mode_measures(
+    tmp_path: Path, cached: dict[str, str], sm_free: bool, used: bool
+) -> None:
+    """kvshm_backend: copy-engines must leave the SMs to the model whatever the file says."""
+    pages = [4096, 4096]
+    cache = ChoiceCache(tmp_path)
+    cache.put(host_key(CPU), layout_key(pages, 1, sm_free), cached)
+    if used:
+        assert choose_for(separate(pages), cache, sm_free) == cached
+    else:
+        with pytest.raises(Measured):
+            choose_for(separate(pages), cache, sm_free)

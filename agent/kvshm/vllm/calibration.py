@@ -119,8 +119,8 @@ def _regular_file(st: os.stat_result, path: str) -> None:
 class ChoiceCache:
     """{host: {layout: {"store": b, "load": b, "store_beside": b, "load_beside": b}}} in one
     JSON file (Measurement.choice says what each means). The file is only a cache: an entry
-    that does not read as choices among the known backends is measured again, and a directory
-    that cannot be written loses nothing but the next start's measurement.
+    that does not read as choices among the backends its mode measures is measured again, and a
+    directory that cannot be written loses nothing but the next start's measurement.
 
     The directory may be a node directory that others can write too: the file is opened without
     following a symlink, only if it is a regular file (a FIFO would block the first transfer),
@@ -182,13 +182,22 @@ class ChoiceCache:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def get(self, host: str, layout: str) -> dict[str, str] | None:
+    def get(
+        self, host: str, layout: str, backends: Sequence[str] = BACKEND_NAMES
+    ) -> dict[str, str] | None:
+        """The entry, if every choice in it is one of `backends` (those its mode measures)."""
         layouts = self.load().get(host)
         entry = layouts.get(layout) if isinstance(layouts, dict) else None
         if not isinstance(entry, dict) or not entry:
             return None
-        if any(key not in CHOICES or value not in BACKEND_NAMES for key, value in entry.items()):
-            log.warning("kvshm: ignoring unreadable cached copy backends in %s", self.path)
+        if any(key not in CHOICES or value not in backends for key, value in entry.items()):
+            log.warning(
+                "kvshm: ignoring cached copy backends %s for %s in %s: not choices among %s",
+                entry,
+                layout,
+                self.path,
+                ", ".join(backends),
+            )
             return None
         return entry
 
@@ -341,6 +350,15 @@ def _run(
     return submitting
 
 
+def measured_backends(sm_free: bool) -> tuple[str, ...]:
+    """The backends a measurement may choose among, of those the handlers have: under
+    copy-engines those that leave the SMs to the model, else every one but the strided
+    backend (worth_trying says why)."""
+    if sm_free:
+        return SM_FREE_BACKENDS
+    return tuple(b for b in BACKEND_NAMES if b != "strided")
+
+
 def worth_trying(
     backends: Sequence[str], pages: Sequence[int], gpu_to_cpu: bool, sm_free: bool = False
 ) -> list[str]:
@@ -354,12 +372,12 @@ def worth_trying(
     it the engine's matrix products lost 6-26 ms per GB moved, beside DMA 0-0.5, H100,
     docs/transfer.md F43), and at pages of 0.9-1.3 MiB, where a trial judged at half the
     CPU's speed had chosen it, it moved less than DMA does."""
+    tried = [b for b in backends if b in measured_backends(sm_free)]
     if sm_free:
-        return [b for b in backends if b in SM_FREE_BACKENDS]
+        return tried
     direction = Direction.GPU_TO_CPU if gpu_to_cpu else Direction.CPU_TO_GPU
     kernel_below = BackendPolicy().kernel_below_bytes.get(direction, 0)
     mean_page = sum(pages) / max(len(pages), 1)
-    tried = [b for b in backends if b != "strided"]
     others = [b for b in tried if b != "kernel"]
     if "kernel" in tried and others and mean_page >= kernel_below:
         return others
@@ -522,7 +540,7 @@ def choose(
     device = gpu_tensors[0].device
     host = host_key(device)
     layout = layout_key([t.shape[1] for t in gpu_tensors], blocks_per_chunk, sm_free)
-    cached = cache.get(host, layout)
+    cached = cache.get(host, layout, measured_backends(sm_free))
     if cached is not None:
         log.info("kvshm: copy backends for %s on %s (cached): %s", layout, host, cached)
         return cached
