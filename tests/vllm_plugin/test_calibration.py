@@ -49,8 +49,9 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(
             assert all(0 < t < float("inf") for t in first.alone["store"].values())
     assert len(measurements) == 1, "the second start measured again instead of reading the cache"
     saved = json.loads((tmp_path / "backend-choices.json").read_text())
-    key = layout_key([TINY_PAGE] * TINY_LAYERS, 2)
-    assert saved[host_key(kv.tensors[0].tensor.device)][key] == dict.fromkeys(CHOICES, "cpu")
+    # vLLM 0.33's layer-outer cache: the layers' views of one allocation
+    key = layout_key([TINY_PAGE] * TINY_LAYERS, 2, one_allocation=True)
+    assert saved[host_key(worker.gpu_tensors[0].device)][key] == dict.fromkeys(CHOICES, "cpu")
 
 
 @pytest.mark.parametrize("calibrate", [True, False])
@@ -82,8 +83,9 @@ def test_copy_engines_chooses_among_the_backends_that_leave_the_sms_alone(
         assert worker.chosen_backends == {} and not saved.exists()
         return
     assert worker.chosen_backends == dict.fromkeys(CHOICES, "cpu")
-    key = layout_key([TINY_PAGE] * TINY_LAYERS, 2, sm_free=True)
-    assert key.endswith("/copy-engines") and key != layout_key([TINY_PAGE] * TINY_LAYERS, 2)
+    key = layout_key([TINY_PAGE] * TINY_LAYERS, 2, sm_free=True, one_allocation=True)
+    unrestricted = layout_key([TINY_PAGE] * TINY_LAYERS, 2, one_allocation=True)
+    assert key.endswith("/copy-engines") and key != unrestricted
     (choices,) = json.loads(saved.read_text()).values()
     assert list(choices) == [key]
 

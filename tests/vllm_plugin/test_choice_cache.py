@@ -18,6 +18,7 @@ import torch
 from kvshm.transfer import SingleDirectionOffloadingHandler
 from kvshm.vllm.calibration import (
     CACHE_FILE,
+    CHOICES,
     MAX_CACHE_BYTES,
     ChoiceCache,
     choose,
@@ -244,3 +245,32 @@ def test_a_cached_choice_is_used_only_among_the_backends_its_mode_measures(
     else:
         with pytest.raises(Measured):
             choose_for(separate(pages), cache, sm_free)
+
+
+def test_layouts_of_other_page_sizes_in_order_or_number_are_measured_apart(
+    tmp_path: Path,
+) -> None:
+    measured = [4096, 4096, 8192]
+    cache = ChoiceCache(tmp_path)
+    cache.put(host_key(CPU), layout_key(measured, 1), dict.fromkeys(CHOICES, "dma"))
+    assert choose_for(separate(measured), cache) == dict.fromkeys(CHOICES, "dma")
+    for other in ([4096, 8192, 8192], [8192, 4096, 4096], [4096, 8192], [4096] * 2 + [8192] * 2):
+        with pytest.raises(Measured):
+            choose_for(separate(other), cache)
+    assert layout_key([65536] * 32, 1) == "32x65536B/bpc1/v10"
+    assert layout_key(measured, 2) == "2x4096+1x8192B/bpc2/v10"
+
+
+def test_views_of_one_allocation_are_measured_apart_from_separate_tensors(
+    tmp_path: Path,
+) -> None:
+    """Only views of one allocation at an even pitch can be moved by the strided backend (and
+    get scratch blocks laid out so)."""
+    cache = ChoiceCache(tmp_path)
+    pages = [4096] * 3
+    cache.put(host_key(CPU), layout_key(pages, 1), dict.fromkeys(CHOICES, "dma"))
+    assert choose_for(separate(pages), cache) == dict.fromkeys(CHOICES, "dma")
+    one_allocation = list(torch.zeros((3, 8, 4096), dtype=torch.int8))
+    with pytest.raises(Measured):
+        choose_for(one_allocation, cache)
+    assert layout_key(pages, 1, one_allocation=True) == "3x4096B/bpc1/one-allocation/v10"

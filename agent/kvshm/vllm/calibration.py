@@ -6,8 +6,9 @@ the handlers could use moves the same jobs between scratch GPU blocks (never the
 cache) and this worker's own cells of the region, which hold nothing yet (vLLM's CPU tier
 starts empty and its first job is a store): stores alone, loads alone, and every pair of store
 and load backends both ways at once. The pair with the least time over the three is kept in a
-JSON file keyed by host (name, GPU, driver) and layout (page sizes, blocks_per_chunk), so later
-starts on the host reuse it without measuring.
+JSON file keyed by host (name, GPU, driver) and layout (every tensor's page size in order,
+whether the tensors are one allocation, blocks_per_chunk), so later starts on the host reuse it
+without measuring.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ REPS = 3  # medians of this many rounds
 # each trial moves the scratch blocks this many times: runs of a few ms (one pass) put a
 # few % of fixed cost on every backend alike and hid a 6 % difference the link shows (H100)
 PASSES = 4
-CACHE_VERSION = 9  # choices of earlier rules (one way only, one pair, ties to the policy, pair
+CACHE_VERSION = 10  # choices of earlier rules (one way only, one pair, ties to the policy, pair
 # ties to DMA over staging, times taken at the CPU speed of the moment, the copy kernel tried
-# at any page size or taken within KERNEL_MARGIN) and of staging before its page kernel expire
+# at any page size or taken within KERNEL_MARGIN), of staging before its page kernel and under
+# keys that told layouts apart by their distinct page sizes only expire
 MARGIN = 0.03  # times within this of the fastest are a tie: runs of a few ms tell no finer
 # How much of the engine's compute each backend takes (docs/transfer.md F9: matrix products
 # beside DMA took 0.92-1.13x as long, beside staging 1.11-1.16x, beside the copy kernel
@@ -89,9 +91,18 @@ def host_key(device: torch.device) -> str:
     return f"{socket.gethostname()}/{name}/driver-{cuda_driver().version}"
 
 
-def layout_key(pages: Sequence[int], blocks_per_chunk: int, sm_free: bool = False) -> str:
-    distinct = sorted(set(pages))
-    key = f"{len(pages)}x{'+'.join(map(str, distinct))}B/bpc{blocks_per_chunk}/v{CACHE_VERSION}"
+def layout_key(
+    pages: Sequence[int], blocks_per_chunk: int, sm_free: bool = False, one_allocation: bool = False
+) -> str:
+    """Every tensor's page size in order, runs of equal sizes counted ("2x16384+1x32768B"):
+    layouts of the same sizes in another order or number are measured apart. one_allocation:
+    the tensors are views of one allocation at an even pitch, which the strided backend and
+    its scratch blocks need (one_allocation_pitch)."""
+    runs = [f"{len(list(run))}x{page}" for page, run in itertools.groupby(pages)]
+    key = f"{'+'.join(runs)}B/bpc{blocks_per_chunk}"
+    if one_allocation:
+        key += "/one-allocation"
+    key += f"/v{CACHE_VERSION}"
     return f"{key}/{COPY_ENGINES}" if sm_free else key
 
 
@@ -539,7 +550,9 @@ def choose(
     the backends that leave the SMs to the model only (kvshm_backend: copy-engines)."""
     device = gpu_tensors[0].device
     host = host_key(device)
-    layout = layout_key([t.shape[1] for t in gpu_tensors], blocks_per_chunk, sm_free)
+    pages = [t.shape[1] for t in gpu_tensors]
+    one_allocation = one_allocation_pitch(gpu_tensors) is not None
+    layout = layout_key(pages, blocks_per_chunk, sm_free, one_allocation)
     cached = cache.get(host, layout, measured_backends(sm_free))
     if cached is not None:
         log.info("kvshm: copy backends for %s on %s (cached): %s", layout, host, cached)
