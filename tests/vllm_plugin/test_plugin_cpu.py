@@ -281,17 +281,39 @@ def test_replicated_layout_every_rank_uses_the_one_copy(engine: Engine) -> None:
         Path(path).unlink(missing_ok=True)
 
 
+SECONDS = "kvshm_attach_timeout_s must be a number of seconds >= 0, got "
+CACHE_DIR = "kvshm_cache_dir must be an absolute path, got "
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"kvshm_region_dir": "relative/dir"}, "must be an absolute path"),
-        ({"kvshm_instance_id": "../escape"}, "is not allowed"),
-        ({"kvshm_attach_timeout_s": "soon"}, "must be a number of seconds"),
+        ({"kvshm_region_dir": "relative/dir"}, "must be an absolute path, got 'relative/dir'"),
+        ({"kvshm_region_dir": 7}, "kvshm_region_dir must be an absolute path, got 7"),
+        ({"kvshm_instance_id": "../escape"}, "kvshm_instance_id '../escape' is no region instance"),
+        (
+            {"kvshm_instance_id": 12},
+            "kvshm_instance_id must be a string (the region's instanceId), got 12",
+        ),
+        ({"kvshm_attach_timeout_s": "soon"}, SECONDS + "'soon'"),
+        ({"kvshm_attach_timeout_s": True}, SECONDS + "True"),
+        ({"kvshm_attach_timeout_s": -1}, SECONDS + "-1"),
+        ({"kvshm_attach_timeout_s": "nan"}, SECONDS + "'nan'"),
         (
             {"kvshm_backend": "fastest"},
             "must be one of auto, copy-engines, dma, kernel, staged, strided, cpu",
         ),
         ({"kvshm_pin": "maybe"}, "kvshm_pin must be true or false"),
+        # YAML's false read as "no cache" would have cached under ./False
+        ({"kvshm_cache_dir": False}, CACHE_DIR + "False; leave it out for ~/.cache/kvshm"),
+        ({"kvshm_cache_dir": "cache"}, CACHE_DIR + "'cache'"),
+        ({"kvshm_cache_dir": ["/a"]}, CACHE_DIR + "['/a']"),
+        (
+            {"kvshm_calibrat": False, "kvshm_pin": True},
+            "unknown kvshm keys in kv_connector_extra_config: kvshm_calibrat; the plugin's keys "
+            "are kvshm_region_dir, kvshm_instance_id, kvshm_attach_timeout_s, kvshm_backend, "
+            "kvshm_pin, kvshm_calibrate, kvshm_cache_dir",
+        ),
     ],
 )
 def test_bad_plugin_keys_are_refused_at_start(
@@ -301,6 +323,33 @@ def test_bad_plugin_keys_are_refused_at_start(
 
     with pytest.raises(PluginConfigError, match=re.escape(message)):
         PluginSettings.from_extra_config(extra, engine.engine_id, 0, 1)
+
+
+def test_an_engine_id_that_is_no_instance_id_is_refused_naming_the_key_to_set() -> None:
+    from kvshm.vllm.settings import PluginConfigError, PluginSettings
+
+    message = "vLLM's engine_id 'a/b' (set kvshm_instance_id to the region's) is no region"
+    with pytest.raises(PluginConfigError, match=re.escape(message)):
+        PluginSettings.from_extra_config({}, "a/b", 0, 1)
+
+
+def test_good_plugin_keys_beside_vllms_own_are_taken() -> None:
+    from kvshm.vllm.settings import PluginSettings
+
+    extra = {
+        "spec_name": "KvshmOffloadingSpec",
+        "cpu_bytes_to_use": 1 << 20,
+        "kvshm_cache_dir": "/kvshm/cache",
+        "kvshm_attach_timeout_s": "2.5",
+        "kvshm_calibrate": "false",
+    }
+    settings = PluginSettings.from_extra_config(extra, "engine", 0, 1)
+    assert (settings.cache_dir, settings.attach_timeout_s, settings.calibrate) == (
+        "/kvshm/cache",
+        2.5,
+        False,
+    )
+    assert PluginSettings.from_extra_config({}, "engine", 0, 1).cache_dir is None
 
 
 def test_an_explicit_instance_id_gets_vllms_data_parallel_suffix(engine: Engine) -> None:

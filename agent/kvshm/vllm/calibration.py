@@ -6,8 +6,9 @@ the handlers could use moves the same jobs between scratch GPU blocks (never the
 cache) and this worker's own cells of the region, which hold nothing yet (vLLM's CPU tier
 starts empty and its first job is a store): stores alone, loads alone, and every pair of store
 and load backends both ways at once. The pair with the least time over the three is kept in a
-JSON file keyed by host (name, GPU, driver) and layout (page sizes, blocks_per_chunk), so later
-starts on the host reuse it without measuring.
+JSON file keyed by host (name, GPU, driver) and layout (every tensor's page size in order,
+whether the tensors are one allocation, blocks_per_chunk), so later starts on the host reuse it
+without measuring.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import socket
+import stat
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from kvshm.region.safefile import create_exclusive, describe_file_type, open_checked
 from kvshm.transfer import CPULoadStoreSpec, GPULoadStoreSpec, SingleDirectionOffloadingHandler
 from kvshm.transfer.chooser import BACKEND_NAMES, COPY_ENGINES, SM_FREE_BACKENDS, BackendPolicy
 from kvshm.transfer.metrics import Direction
@@ -50,9 +53,10 @@ REPS = 3  # medians of this many rounds
 # each trial moves the scratch blocks this many times: runs of a few ms (one pass) put a
 # few % of fixed cost on every backend alike and hid a 6 % difference the link shows (H100)
 PASSES = 4
-CACHE_VERSION = 9  # choices of earlier rules (one way only, one pair, ties to the policy, pair
+CACHE_VERSION = 10  # choices of earlier rules (one way only, one pair, ties to the policy, pair
 # ties to DMA over staging, times taken at the CPU speed of the moment, the copy kernel tried
-# at any page size or taken within KERNEL_MARGIN) and of staging before its page kernel expire
+# at any page size or taken within KERNEL_MARGIN), of staging before its page kernel and under
+# keys that told layouts apart by their distinct page sizes only expire
 MARGIN = 0.03  # times within this of the fastest are a tie: runs of a few ms tell no finer
 # How much of the engine's compute each backend takes (docs/transfer.md F9: matrix products
 # beside DMA took 0.92-1.13x as long, beside staging 1.11-1.16x, beside the copy kernel
@@ -87,39 +91,124 @@ def host_key(device: torch.device) -> str:
     return f"{socket.gethostname()}/{name}/driver-{cuda_driver().version}"
 
 
-def layout_key(pages: Sequence[int], blocks_per_chunk: int, sm_free: bool = False) -> str:
-    distinct = sorted(set(pages))
-    key = f"{len(pages)}x{'+'.join(map(str, distinct))}B/bpc{blocks_per_chunk}/v{CACHE_VERSION}"
+def layout_key(
+    pages: Sequence[int], blocks_per_chunk: int, sm_free: bool = False, one_allocation: bool = False
+) -> str:
+    """Every tensor's page size in order, runs of equal sizes counted ("2x16384+1x32768B"):
+    layouts of the same sizes in another order or number are measured apart. one_allocation:
+    the tensors are views of one allocation at an even pitch, which the strided backend and
+    its scratch blocks need (one_allocation_pitch)."""
+    runs = [f"{len(list(run))}x{page}" for page, run in itertools.groupby(pages)]
+    key = f"{'+'.join(runs)}B/bpc{blocks_per_chunk}"
+    if one_allocation:
+        key += "/one-allocation"
+    key += f"/v{CACHE_VERSION}"
     return f"{key}/{COPY_ENGINES}" if sm_free else key
 
 
 CHOICES = ("store", "load", "store_beside", "load_beside")
 
 
+CACHE_FILE = "backend-choices.json"
+# A cache holds a few hundred bytes a layout: more than this is not one (a symlink to
+# /dev/zero, say), and is not read whole.
+MAX_CACHE_BYTES = 1024 * 1024
+# Pods sharing a node directory may read each other's choices; only the writer may change them.
+CACHE_FILE_MODE = 0o644
+CACHE_DIR_MODE = 0o755
+
+
+class UnusableCacheError(OSError):
+    """Something other than a readable cache file, or a directory, is where the cache goes."""
+
+
+def _regular_file(st: os.stat_result, path: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise UnusableCacheError(f"{path} is {describe_file_type(st.st_mode)}, not a regular file")
+
+
 class ChoiceCache:
     """{host: {layout: {"store": b, "load": b, "store_beside": b, "load_beside": b}}} in one
     JSON file (Measurement.choice says what each means). The file is only a cache: an entry
-    that does not read as choices among the known backends is measured again, and a directory
-    that cannot be written loses nothing but the next start's measurement."""
+    that does not read as choices among the backends its mode measures is measured again, and a
+    directory that cannot be written loses nothing but the next start's measurement.
+
+    The directory may be a node directory that others can write too: the file is opened without
+    following a symlink, only if it is a regular file (a FIFO would block the first transfer),
+    and read up to MAX_CACHE_BYTES; anything else counts as no cache. The directory itself is
+    never entered through a symlink, and the file is replaced whole, never written through."""
 
     def __init__(self, directory: Path | None = None) -> None:
-        self.path = (directory or default_cache_dir()) / "backend-choices.json"
+        self.directory = directory or default_cache_dir()
+        self.path = self.directory / CACHE_FILE
+        self._reported: set[str] = set()
+
+    def _report(self, message: str) -> None:
+        """Warn once per cache of each reason (get and put both read the file)."""
+        if message not in self._reported:
+            self._reported.add(message)
+            log.warning(message)
+
+    def _open_directory(self) -> int:
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(self.directory, flags)
+        except OSError as exc:
+            try:
+                mode = os.lstat(self.directory).st_mode
+            except OSError:
+                raise exc from None  # missing, or not to be looked at: the open's error says so
+            if stat.S_ISDIR(mode):
+                raise
+            raise UnusableCacheError(
+                f"{self.directory} is {describe_file_type(mode)}, not a directory; name the "
+                f"directory itself in kvshm_cache_dir"
+            ) from exc
+
+    def _read(self) -> bytes:
+        directory = self._open_directory()
+        try:
+            fd = open_checked(CACHE_FILE, os.O_RDONLY, str(self.path), directory, _regular_file)
+        finally:
+            os.close(directory)
+        with os.fdopen(fd, "rb") as file:
+            text = file.read(MAX_CACHE_BYTES + 1)
+        if len(text) > MAX_CACHE_BYTES:
+            raise UnusableCacheError(f"{self.path} is larger than {MAX_CACHE_BYTES} bytes")
+        return text
 
     def load(self) -> dict[str, Any]:
-        """The file's JSON object as read, unchecked ({} if there is none)."""
+        """The file's JSON object as read, unchecked ({} if there is none, or it is not a
+        regular file of at most MAX_CACHE_BYTES)."""
         try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            data = json.loads(self._read())
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            self._report(
+                f"kvshm: not using the cached copy backends ({exc}): they are measured again"
+            )
+            return {}
+        except ValueError:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def get(self, host: str, layout: str) -> dict[str, str] | None:
+    def get(
+        self, host: str, layout: str, backends: Sequence[str] = BACKEND_NAMES
+    ) -> dict[str, str] | None:
+        """The entry, if every choice in it is one of `backends` (those its mode measures)."""
         layouts = self.load().get(host)
         entry = layouts.get(layout) if isinstance(layouts, dict) else None
         if not isinstance(entry, dict) or not entry:
             return None
-        if any(key not in CHOICES or value not in BACKEND_NAMES for key, value in entry.items()):
-            log.warning("kvshm: ignoring unreadable cached copy backends in %s", self.path)
+        if any(key not in CHOICES or value not in backends for key, value in entry.items()):
+            log.warning(
+                "kvshm: ignoring cached copy backends %s for %s in %s: not choices among %s",
+                entry,
+                layout,
+                self.path,
+                ", ".join(backends),
+            )
             return None
         return entry
 
@@ -128,24 +217,40 @@ class ChoiceCache:
         if not isinstance(data.get(host), dict):
             data[host] = {}
         data[host][layout] = choice
-        written: str | None = None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(
-                "w", dir=self.path.parent, prefix=".backend-choices-", delete=False
-            ) as out:
-                written = out.name
-                json.dump(data, out, indent=1)
-            os.replace(written, self.path)  # another worker's write is replaced whole, not torn
+            self.directory.mkdir(mode=CACHE_DIR_MODE, parents=True, exist_ok=True)
+            directory = self._open_directory()
+            try:
+                _replace(directory, CACHE_FILE, json.dumps(data, indent=1).encode())
+            finally:
+                os.close(directory)
         except OSError as exc:
-            if written is not None:  # the file was made, then could not be filled or renamed
-                Path(written).unlink(missing_ok=True)
             log.warning(
                 "kvshm: could not keep the measured copy backends in %s (%s): the next start "
                 "measures again; set kvshm_cache_dir to a writable directory",
                 self.path,
                 exc,
             )
+
+
+def _replace(directory: int, name: str, content: bytes) -> None:
+    """Replace `name` in the directory with a new file of `content`, whole: a reader sees the
+    old file or the new one, never a torn one, and a symlink at the name is replaced, not
+    followed."""
+    for _ in range(16):
+        temporary = f".{name}.{secrets.token_hex(6)}"
+        fd = create_exclusive(directory, temporary, CACHE_FILE_MODE)
+        if fd is not None:
+            break
+    else:
+        raise FileExistsError(f"no free temporary name for {name}")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(content)
+        os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+    except BaseException:
+        os.unlink(temporary, dir_fd=directory)
+        raise
 
 
 def _scratch(gpu_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -256,6 +361,15 @@ def _run(
     return submitting
 
 
+def measured_backends(sm_free: bool) -> tuple[str, ...]:
+    """The backends a measurement may choose among, of those the handlers have: under
+    copy-engines those that leave the SMs to the model, else every one but the strided
+    backend (worth_trying says why)."""
+    if sm_free:
+        return SM_FREE_BACKENDS
+    return tuple(b for b in BACKEND_NAMES if b != "strided")
+
+
 def worth_trying(
     backends: Sequence[str], pages: Sequence[int], gpu_to_cpu: bool, sm_free: bool = False
 ) -> list[str]:
@@ -269,12 +383,12 @@ def worth_trying(
     it the engine's matrix products lost 6-26 ms per GB moved, beside DMA 0-0.5, H100,
     docs/transfer.md F43), and at pages of 0.9-1.3 MiB, where a trial judged at half the
     CPU's speed had chosen it, it moved less than DMA does."""
+    tried = [b for b in backends if b in measured_backends(sm_free)]
     if sm_free:
-        return [b for b in backends if b in SM_FREE_BACKENDS]
+        return tried
     direction = Direction.GPU_TO_CPU if gpu_to_cpu else Direction.CPU_TO_GPU
     kernel_below = BackendPolicy().kernel_below_bytes.get(direction, 0)
     mean_page = sum(pages) / max(len(pages), 1)
-    tried = [b for b in backends if b != "strided"]
     others = [b for b in tried if b != "kernel"]
     if "kernel" in tried and others and mean_page >= kernel_below:
         return others
@@ -436,8 +550,10 @@ def choose(
     the backends that leave the SMs to the model only (kvshm_backend: copy-engines)."""
     device = gpu_tensors[0].device
     host = host_key(device)
-    layout = layout_key([t.shape[1] for t in gpu_tensors], blocks_per_chunk, sm_free)
-    cached = cache.get(host, layout)
+    pages = [t.shape[1] for t in gpu_tensors]
+    one_allocation = one_allocation_pitch(gpu_tensors) is not None
+    layout = layout_key(pages, blocks_per_chunk, sm_free, one_allocation)
+    cached = cache.get(host, layout, measured_backends(sm_free))
     if cached is not None:
         log.info("kvshm: copy backends for %s on %s (cached): %s", layout, host, cached)
         return cached

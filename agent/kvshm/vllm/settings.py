@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +19,16 @@ BACKEND_KEY = "kvshm_backend"
 PIN_KEY = "kvshm_pin"
 CALIBRATE_KEY = "kvshm_calibrate"
 CACHE_DIR_KEY = "kvshm_cache_dir"
+KEYS = (
+    REGION_DIR_KEY,
+    INSTANCE_ID_KEY,
+    ATTACH_TIMEOUT_KEY,
+    BACKEND_KEY,
+    PIN_KEY,
+    CALIBRATE_KEY,
+    CACHE_DIR_KEY,
+)
+KEY_PREFIX = "kvshm_"
 
 
 class PluginConfigError(ValueError):
@@ -29,6 +41,33 @@ def _flag(value: object, key: str) -> bool:
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
         return value.lower() in ("true", "1")
     raise PluginConfigError(f"{key} must be true or false, got {value!r}")
+
+
+def _absolute_path(value: object, key: str, hint: str = "") -> str:
+    if isinstance(value, str) and value.startswith("/"):
+        return value
+    raise PluginConfigError(f"{key} must be an absolute path, got {value!r}{hint}")
+
+
+def _seconds(value: object, key: str) -> float:
+    seconds = math.nan
+    # bool is an int to Python, but `true` is no number of seconds
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):
+            seconds = float(value)
+    if seconds >= 0:  # never NaN
+        return seconds
+    raise PluginConfigError(f"{key} must be a number of seconds >= 0, got {value!r}")
+
+
+def _refuse_unknown_keys(extra: Mapping[str, Any]) -> None:
+    """A misspelt kvshm key would otherwise leave its setting at the default, unnoticed."""
+    unknown = sorted(k for k in extra if k.startswith(KEY_PREFIX) and k not in KEYS)
+    if unknown:
+        raise PluginConfigError(
+            f"unknown kvshm keys in kv_connector_extra_config: {', '.join(unknown)}; "
+            f"the plugin's keys are {', '.join(KEYS)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -46,33 +85,41 @@ class PluginSettings:
     calibrate: bool = True
     """Choose each direction's backend by measuring on this host (kvshm.vllm.calibration)."""
     cache_dir: str | None = None
-    """Where the measured choices are kept (default ~/.cache/kvshm)."""
+    """Where the measured choices are kept: an absolute path (None: ~/.cache/kvshm)."""
 
     @classmethod
     def from_extra_config(
         cls, extra: Mapping[str, Any], engine_id: str, dp_index: int, dp_size: int
     ) -> PluginSettings:
-        region_dir = str(extra.get(REGION_DIR_KEY, DEFAULT_DIRECTORY))
-        if not region_dir.startswith("/"):
-            raise PluginConfigError(
-                f"{REGION_DIR_KEY} must be an absolute path, got {region_dir!r}"
-            )
+        _refuse_unknown_keys(extra)
+        region_dir = _absolute_path(extra.get(REGION_DIR_KEY, DEFAULT_DIRECTORY), REGION_DIR_KEY)
         given = extra.get(INSTANCE_ID_KEY)
         if given is None:
             instance_id = engine_id  # vLLM already appended _dp<rank> under data parallelism
+            source = f"vLLM's engine_id {engine_id!r} (set {INSTANCE_ID_KEY} to the region's)"
+        elif not isinstance(given, str):
+            raise PluginConfigError(
+                f"{INSTANCE_ID_KEY} must be a string (the region's instanceId), got {given!r}"
+            )
         else:
             # the same rule vLLM applies to engine_id, so one setting serves every DP engine
-            instance_id = f"{given}_dp{dp_index}" if dp_size > 1 else str(given)
+            instance_id = f"{given}_dp{dp_index}" if dp_size > 1 else given
+            source = f"{INSTANCE_ID_KEY} {given!r}"
         try:
             validate_instance_id(instance_id)
         except ValueError as exc:
-            raise PluginConfigError(f"region instance id: {exc}") from exc
-        try:
-            timeout = float(extra.get(ATTACH_TIMEOUT_KEY, DEFAULT_ATTACH_TIMEOUT_SECONDS))
-        except (TypeError, ValueError) as exc:
-            raise PluginConfigError(f"{ATTACH_TIMEOUT_KEY} must be a number of seconds") from exc
-        if not timeout >= 0:
-            raise PluginConfigError(f"{ATTACH_TIMEOUT_KEY} must be >= 0, got {timeout}")
+            raise PluginConfigError(f"{source} is no region instance id: {exc}") from exc
+        timeout = _seconds(
+            extra.get(ATTACH_TIMEOUT_KEY, DEFAULT_ATTACH_TIMEOUT_SECONDS), ATTACH_TIMEOUT_KEY
+        )
+        cache_dir = extra.get(CACHE_DIR_KEY)
+        if cache_dir is not None:
+            cache_dir = _absolute_path(
+                cache_dir,
+                CACHE_DIR_KEY,
+                f"; leave it out for ~/.cache/kvshm, or set {CALIBRATE_KEY}: false to choose the "
+                f"copy backends by block size without measuring",
+            )
         backend = extra.get(BACKEND_KEY)
         if backend not in (None, "", "auto", COPY_ENGINES, *BACKEND_NAMES):
             raise PluginConfigError(
@@ -86,5 +133,5 @@ class PluginSettings:
             backend=None if backend in (None, "", "auto") else str(backend),
             pin=_flag(extra.get(PIN_KEY, True), PIN_KEY),
             calibrate=_flag(extra.get(CALIBRATE_KEY, True), CALIBRATE_KEY),
-            cache_dir=None if extra.get(CACHE_DIR_KEY) is None else str(extra[CACHE_DIR_KEY]),
+            cache_dir=cache_dir,
         )
