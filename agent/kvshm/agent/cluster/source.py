@@ -98,6 +98,10 @@ class ClusterSource:
             except SpecError as exc:
                 invalid[key] = str(exc)
                 continue
+            except Exception as exc:  # one object must never stop every pass
+                invalid[key] = f"could not be parsed ({type(exc).__name__}: {exc})"
+                log.warning("OffloadRegion %s could not be parsed", key, exc_info=True)
+                continue
             deleting = bool((obj.get("metadata") or {}).get("deletionTimestamp"))
             regions[region.key] = KnownRegion(region, deleting)
         problems = [w.last_error for w in (self._regions, self._nodes) if w.last_error]
