@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
+from tests.agent.builders import local_agent
 from tests.agent.hostile import (
     TENANT_UID,
     RunningAgent,
@@ -78,3 +80,41 @@ def test_a_region_defined_in_two_files_is_an_error_naming_both(shm_dir: Path) ->
         (regions / "d.yaml").unlink()
         agent.saw("tenant/twice  Ready")
     assert (shm_dir / "root/tenant/twice/vllm_offload_twice.mmap").stat().st_size == 2 << 20
+
+
+def test_files_that_break_the_parser_are_each_one_problem_and_once_still_finishes(
+    shm_dir: Path,
+) -> None:
+    """A 10 KB file of nested lists (too deep for the YAML composer) and metadata the API
+    server would never hold (generation 'abc' or [1], uid [1]) are each reported as their
+    file's problem; the good region is created and `--once` exits."""
+    regions = shm_dir / "regions"
+    regions.mkdir()
+    write_regions(regions, "good.yaml", tenant_manifest("good"))
+    (regions / "deep.yaml").write_text("[" * 5000 + "]" * 5000 + "\n")
+    for name, metadata in (
+        ("word", {"generation": "abc"}),
+        ("list", {"generation": [1]}),
+        ("negative", {"generation": -1}),
+        ("uid", {"uid": [1]}),
+    ):
+        document = tenant_manifest(name)
+        document["metadata"].update(metadata)
+        write_regions(regions, f"{name}.yaml", document)
+    done = subprocess.run(
+        local_agent(regions, shm_dir / "root", "--once", "--no-http"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "tenant/good  Ready" in output
+    assert (shm_dir / "root/tenant/good/vllm_offload_good.mmap").exists()
+    assert "deep.yaml is nested too deeply to be read as YAML" in output
+    assert "metadata.generation must be an integer from 0 to" in output
+    assert "got 'abc'" in output and "got [1]" in output and "got -1" in output
+    assert "metadata.uid must be a string" in output
+    assert "reconcile pass failed" not in output and "Traceback" not in output
+    for name in ("word", "list", "negative", "uid"):
+        assert not (shm_dir / f"root/tenant/{name}").exists()

@@ -4,13 +4,19 @@ it is held.
 It is what the operator decides orphans from, so it errs on the safe side: a file that could not
 be probed counts as held, and anything unsafe (a symlink or FIFO with a region file's name, a
 hard-linked file) is reported as a problem, never opened.
+
+What is published is bounded (published_files): tenants name the files in their directories, and
+an OffloadNode too large for the API server would stop the node's status, heartbeat included.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from kvshm.agent.errors import describe
@@ -18,8 +24,13 @@ from kvshm.agent.holders import HoldChecker
 from kvshm.agent.regionfiles import describe_unsafe, find_region_files, is_held
 from kvshm.agent.saferoot import RegionDir, RegionRoot
 from kvshm.api import InvalidAddressError, InventoryFile, NodeInventory, RegionAddress
-from kvshm.api.reading import whole_seconds
+from kvshm.api.reading import MAX_INVENTORY_FILES, whole_seconds
 from kvshm.region import UnsafePathError
+
+# Bounds of the published status.files: the CRD's maxItems, and bytes of its JSON entries well
+# under what etcd stores in one object (about 1.5 MiB, spec and the rest of the status included).
+MAX_PUBLISHED_FILES = MAX_INVENTORY_FILES
+MAX_PUBLISHED_BYTES = 512 << 10
 
 ClaimLookup = Callable[[RegionAddress], str]
 """A region file's address -> key of the region that claims the file, or ""."""
@@ -108,3 +119,87 @@ class InventoryScanner:
                 )
             )
         return found
+
+
+@dataclass(frozen=True)
+class PublishedFiles:
+    """The inventory entries published in the OffloadNode, and what was left out."""
+
+    files: tuple[InventoryFile, ...]
+    omitted: dict[str, int] = field(default_factory=dict)  # namespace -> entries left out
+
+    @property
+    def omitted_count(self) -> int:
+        return sum(self.omitted.values())
+
+
+def published_files(
+    files: Iterable[InventoryFile],
+    listed_first: Collection[str] = (),
+    *,
+    max_files: int = MAX_PUBLISHED_FILES,
+    max_bytes: int = MAX_PUBLISHED_BYTES,
+) -> PublishedFiles:
+    """At most max_files entries of at most max_bytes (as JSON) in all, sorted by path.
+
+    Files the operator decides from whether they are listed (listed_first: its spec.retained and
+    spec.reclaims paths) come first. The rest is taken fairly: a round over the namespaces, each
+    giving its next entry from a round over its region directories (a region's claimed file
+    before the other names in its directory), so one tenant's junk cannot crowd out another's.
+    """
+    first = set(listed_first)
+    found = list(files)
+    chosen: list[InventoryFile] = []
+    size = 0
+    for file in itertools.chain(
+        sorted((f for f in found if f.path in first), key=lambda f: f.path),
+        _fair_order(f for f in found if f.path not in first),
+    ):
+        if len(chosen) == max_files or max_bytes - size < _SMALLEST_ENTRY_BYTES:
+            break  # full: what is left is only counted
+        entry_bytes = _entry_bytes(file)
+        if size + entry_bytes <= max_bytes:
+            chosen.append(file)
+            size += entry_bytes
+    kept = {f.path for f in chosen}
+    omitted = Counter(_namespace(f) for f in found if f.path not in kept)
+    return PublishedFiles(tuple(sorted(chosen, key=lambda f: f.path)), dict(omitted))
+
+
+def _entry_bytes(file: InventoryFile) -> int:
+    return len(json.dumps(file.to_status())) + 2  # and the separator
+
+
+_SMALLEST_ENTRY_BYTES = _entry_bytes(InventoryFile("a/b/vllm_offload_c.mmap", 0, "", False))
+
+
+def _namespace(file: InventoryFile) -> str:
+    return file.path.split("/", 1)[0]
+
+
+def _fair_order(files: Iterable[InventoryFile]) -> Iterator[InventoryFile]:
+    by_dir: dict[str, dict[str, list[InventoryFile]]] = {}
+    for file in files:
+        namespace, name, _ = file.path.split("/", 2)
+        by_dir.setdefault(namespace, {}).setdefault(name, []).append(file)
+    namespaces = []
+    for namespace in sorted(by_dir):
+        directories = [
+            sorted(entries, key=lambda f: (not f.claimed_by, f.path))
+            for _, entries in sorted(by_dir[namespace].items())
+        ]
+        namespaces.append(_round_robin(directories))
+    return _round_robin(namespaces)
+
+
+def _round_robin(sources: Iterable[Iterable[InventoryFile]]) -> Iterator[InventoryFile]:
+    """One item from each source in turn, until all are used up."""
+    active = [iter(source) for source in sources]
+    while active:
+        still = []
+        for source in active:
+            item = next(source, None)
+            if item is not None:
+                yield item
+                still.append(source)
+        active = still

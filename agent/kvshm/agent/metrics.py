@@ -159,6 +159,11 @@ class AgentMetrics:
         self._errors = Counter(
             "kvshm_agent_errors", "Errors by reason.", ["reason"], registry=self.registry
         )
+        self._inventory_omitted = Gauge(
+            "kvshm_agent_inventory_omitted_files",
+            "Inventory entries left out of the OffloadNode (over its bounds).",
+            registry=self.registry,
+        )
         self._watch_restarts = Counter(
             "kvshm_agent_watch_restarts",
             "API watch streams restarted.",
@@ -189,6 +194,9 @@ class AgentMetrics:
 
     def error(self, reason: ErrorReason) -> None:
         self._errors.labels(reason.value).inc()
+
+    def inventory_omitted(self, entries: int) -> None:
+        self._inventory_omitted.set(entries)
 
     def watch_restarted(self) -> None:
         self._watch_restarts.inc()

@@ -114,8 +114,8 @@ class ReclaimResult:
 
 @dataclass(frozen=True)
 class NodeInventory:
-    """OffloadNode status, written by its agent only (less conditions: the agent's RootSafe
-    condition is for people; no decision reads it)."""
+    """OffloadNode status, written by its agent only (less conditions: the agent's RootSafe and
+    InventoryComplete conditions are for people; no decision reads them)."""
 
     capacity_bytes: int | None = None  # None until the agent has measured its root
     free_bytes: int | None = None

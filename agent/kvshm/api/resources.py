@@ -15,6 +15,7 @@ from kvshm.api.address import (
     is_dns_subdomain,
     region_key,
 )
+from kvshm.api.messages import bounded
 from kvshm.region import InvalidInstanceIdError, InvalidLayoutError, RegionFormat, RegionLayout
 from kvshm.region.naming import validate_instance_id
 from kvshm.region.shared_region import DEFAULT_FILE_MODE, check_file_mode
@@ -37,9 +38,11 @@ MAX_LABEL_KEY = MAX_DNS_SUBDOMAIN + 1 + MAX_LABEL_VALUE
 
 # Bounds shared with charts/kvshm/crds/offloadregions.kvshm.dev.yaml (tests/api checks they agree).
 MAX_ID = 2**31 - 1
+MAX_GENERATION = 2**63 - 1  # metadata.generation is an int64 the API server counts up from 1
 MAX_NUM_WORKERS = 1024
 MAX_NODE_NAMES = 1000
 MAX_NODE_SELECTOR_LABELS = 64
+_QUOTED = 80  # characters of a refused value quoted in an error
 OWNER_READ_WRITE = 0o600  # the engine maps the file read-write as its owner
 
 
@@ -254,9 +257,39 @@ def parse_offload_region(manifest: Mapping[str, Any]) -> OffloadRegion:
         populate=_field(spec, "populate", bool, True),
         lock=_field(spec, "lock", bool, True),
         reclaim_policy=reclaim_policy,
-        uid=str(metadata.get("uid", "")),
-        generation=int(metadata.get("generation", 0) or 0),
+        uid=_metadata_uid(metadata),
+        generation=_metadata_generation(metadata),
     )
+
+
+def _metadata_uid(metadata: Mapping[str, Any]) -> str:
+    uid = metadata.get("uid")
+    if uid is None:
+        return ""
+    if not isinstance(uid, str):
+        raise SpecError(
+            f"metadata.uid must be a string (the API server sets it; a local file leaves it "
+            f"out), got {bounded(repr(uid), _QUOTED)}"
+        )
+    return uid
+
+
+def _metadata_generation(metadata: Mapping[str, Any]) -> int:
+    """metadata.generation: set by the API server; a local file may leave it out (0)."""
+    generation = metadata.get("generation")
+    if generation is None:
+        return 0
+    if (
+        isinstance(generation, bool)
+        or not isinstance(generation, int)
+        or not 0 <= generation <= MAX_GENERATION
+    ):
+        raise SpecError(
+            f"metadata.generation must be an integer from 0 to {MAX_GENERATION} (the API "
+            f"server sets it; a local file may leave it out), got "
+            f"{bounded(repr(generation), _QUOTED)}"
+        )
+    return generation
 
 
 def _parse_placement(spec: Mapping[str, Any]) -> RegionPlacement:

@@ -9,10 +9,11 @@ named after it) has this agent as its only status writer.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -23,6 +24,12 @@ from kubernetes.client.exceptions import ApiException
 from kvshm.agent.cluster import rest
 from kvshm.agent.errors import ErrorReason
 from kvshm.agent.gate import ReportGate
+from kvshm.agent.inventory import (
+    MAX_PUBLISHED_BYTES,
+    MAX_PUBLISHED_FILES,
+    PublishedFiles,
+    published_files,
+)
 from kvshm.agent.reports import AgentEvent, PassResult
 from kvshm.api import (
     GROUP,
@@ -35,6 +42,7 @@ from kvshm.api import (
     NodeReport,
 )
 from kvshm.api.address import split_region_key
+from kvshm.api.messages import MAX_CONDITION_MESSAGE, bounded, summarize
 from kvshm.api.reading import format_timestamp
 
 log = logging.getLogger(__name__)
@@ -56,6 +64,8 @@ class ClusterSink:
         count_error: Callable[[ErrorReason], None],
         heartbeat_seconds: float = 30.0,
         progress_seconds: float = 1.0,
+        listed_first: Callable[[], Collection[str]] = frozenset,
+        on_published: Callable[[PublishedFiles], None] = lambda published: None,
     ) -> None:
         self.node_name = node_name
         self._version = version
@@ -63,6 +73,9 @@ class ClusterSink:
         self._api_client = api_client
         self._count_error = count_error
         self._heartbeat_seconds = heartbeat_seconds
+        # paths the operator decides from whether they are listed (spec.retained, .reclaims)
+        self._listed_first = listed_first
+        self._on_published = on_published
         self._gate = ReportGate(progress_seconds)
         self._transitions: dict[str, tuple[str, datetime]] = {}  # key -> (phase, since)
         self._node_status: dict[str, Any] | None = None
@@ -96,13 +109,19 @@ class ClusterSink:
     def _publish_node(self, result: PassResult) -> None:
         if result.root_scan is None:
             return
+        published = published_files(result.root_scan.inventory.files, self._listed_first())
+        self._on_published(published)
         inventory = replace(
             result.root_scan.inventory,
+            files=published.files,
             reclaims=tuple(r for _, r in sorted(result.reclaims.items())),
             agent_version=self._version,
         )
         status = inventory.to_status()
-        status["conditions"] = [self._root_condition(result.root_scan.problems)]
+        status["conditions"] = [
+            self._root_condition(result.root_scan.problems),
+            _inventory_condition(published, len(result.root_scan.inventory.files)),
+        ]
         steady = {k: v for k, v in status.items() if k not in _VOLATILE}
         steady["files"] = [
             {k: v for k, v in f.items() if k != "ageSeconds"} for f in status["files"]
@@ -117,33 +136,64 @@ class ClusterSink:
             self._keep_transition_time(status["conditions"], last.get("conditions") or [])
             steady["conditions"] = status["conditions"]
         try:
-            self._custom.patch_cluster_custom_object_status(
-                GROUP,
-                VERSION,
-                NODE_PLURAL,
-                self.node_name,
-                {"status": status},
-                _content_type=MERGE_PATCH,
-                _request_timeout=REQUEST_TIMEOUT,
-            )
+            self._patch_node_status(status)
         except ApiException as exc:
             self._api_error(f"patching OffloadNode {self.node_name}", exc)
             if exc.status == 404:  # someone deleted it: make it again, report on the next pass
                 self._node_status = None
                 with contextlib.suppress(ApiException):
                     self.ensure_node()
-            return
+                return
+            if not self._publish_heartbeat_only(status, exc):
+                return
+        # after a heartbeat-only patch too: the whole status is tried again at the heartbeat's
+        # pace, or as soon as something in it changes
         self._node_status, self._node_status_at = steady, time.monotonic()
+
+    def _publish_heartbeat_only(self, status: dict[str, Any], refused: ApiException) -> bool:
+        """The status without its lists, after the whole one was refused (too large, or one
+        entry invalid): the heartbeat must never wait on the inventory, or the operator would
+        take the agent for silent. The inventory last accepted stays (never an empty list: the
+        operator would take every file for gone)."""
+        why = f"{refused.status} {refused.reason}: {_api_message(refused)}"
+        conditions = [c for c in status["conditions"] if c["type"] != INVENTORY_CONDITION]
+        conditions.append(
+            _condition(
+                INVENTORY_CONDITION,
+                False,
+                "NotPublished",
+                f"the API server refused this node's status ({why}); only the heartbeat and "
+                f"free bytes are published, the inventory stays as last accepted",
+            )
+        )
+        small = {k: v for k, v in status.items() if k not in ("files", "reclaims")}
+        small["conditions"] = conditions
+        try:
+            self._patch_node_status(small)
+        except ApiException as exc:
+            self._api_error(f"patching OffloadNode {self.node_name} (heartbeat only)", exc)
+            return False
+        log.warning(
+            "OffloadNode %s: inventory refused (%s); heartbeat sent alone", self.node_name, why
+        )
+        return True
+
+    def _patch_node_status(self, status: dict[str, Any]) -> None:
+        self._custom.patch_cluster_custom_object_status(
+            GROUP,
+            VERSION,
+            NODE_PLURAL,
+            self.node_name,
+            {"status": status},
+            _content_type=MERGE_PATCH,
+            _request_timeout=REQUEST_TIMEOUT,
+        )
 
     @staticmethod
     def _root_condition(problems: tuple[str, ...]) -> dict[str, Any]:
-        return {
-            "type": "RootSafe",
-            "status": "False" if problems else "True",
-            "reason": "UnsafeEntries" if problems else "NoUnsafeEntries",
-            "message": "; ".join(problems)[:32000] if problems else "nothing unsafe found",
-            "lastTransitionTime": format_timestamp(datetime.now(UTC)),
-        }
+        if not problems:
+            return _condition("RootSafe", True, "NoUnsafeEntries", "nothing unsafe found")
+        return _condition("RootSafe", False, "UnsafeEntries", "; ".join(problems))
 
     @staticmethod
     def _keep_transition_time(
@@ -239,3 +289,43 @@ class ClusterSink:
     def _api_error(self, what: str, exc: ApiException) -> None:
         self._count_error(ErrorReason.API)
         log.warning("%s failed: %s %s; retried on the next pass", what, exc.status, exc.reason)
+
+
+INVENTORY_CONDITION = "InventoryComplete"
+
+
+def _condition(kind: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": bounded(message, MAX_CONDITION_MESSAGE),
+        "lastTransitionTime": format_timestamp(datetime.now(UTC)),
+    }
+
+
+def _inventory_condition(published: PublishedFiles, found: int) -> dict[str, Any]:
+    if not published.omitted:
+        return _condition(INVENTORY_CONDITION, True, "AllListed", f"all {found} entries listed")
+    by_count = sorted(published.omitted.items(), key=lambda item: (-item[1], item[0]))
+    where = summarize([f"{count} in {namespace}" for namespace, count in by_count], "namespaces")
+    return _condition(
+        INVENTORY_CONDITION,
+        False,
+        "Capped",
+        f"{published.omitted_count} of {found} entries not listed ({where}): the OffloadNode "
+        f"lists at most {MAX_PUBLISHED_FILES} entries and {MAX_PUBLISHED_BYTES} bytes of them, "
+        f"retained files and pending reclaims first, then a fair share of each namespace and "
+        f"region directory. The operator neither reclaims nor counts a file it is not shown; "
+        f"remove the files that are no region's from those namespaces' directories",
+    )
+
+
+def _api_message(exc: ApiException) -> str:
+    """The Status message of an API error's body, else its body, briefly."""
+    body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else str(exc.body)
+    try:
+        message = json.loads(body).get("message") or body
+    except (ValueError, AttributeError):
+        message = body
+    return bounded(str(message), 512)

@@ -24,7 +24,7 @@ from kvshm.api import (
     SpecError,
     parse_offload_region,
 )
-from kvshm.api.offload_node import parse_reclaim_requests
+from kvshm.api.offload_node import parse_reclaim_requests, parse_retained
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,10 @@ class ClusterSource:
             except SpecError as exc:
                 invalid[key] = str(exc)
                 continue
+            except Exception as exc:  # one object must never stop every pass
+                invalid[key] = f"could not be parsed ({type(exc).__name__}: {exc})"
+                log.warning("OffloadRegion %s could not be parsed", key, exc_info=True)
+                continue
             deleting = bool((obj.get("metadata") or {}).get("deletionTimestamp"))
             regions[region.key] = KnownRegion(region, deleting)
         problems = [w.last_error for w in (self._regions, self._nodes) if w.last_error]
@@ -112,6 +116,16 @@ class ClusterSource:
             parse_reclaims(self._nodes.items().get(self.node_name)),
             tuple(problems),
         )
+
+    def listed_first(self) -> frozenset[str]:
+        """Paths in this node's OffloadNode spec (retained files, requested reclaims): the
+        operator forgets a retained file, or withdraws a reclaim, by whether it is listed, so
+        a bounded inventory lists these first. Empty until the watch has listed."""
+        node = self._nodes.items().get(self.node_name) if self._nodes is not None else None
+        spec = (node or {}).get("spec")
+        spec = spec if isinstance(spec, Mapping) else None
+        retained = {entry.path for entry in parse_retained(spec)}
+        return frozenset(retained | {request.path for request in parse_reclaim_requests(spec)})
 
     def close(self) -> None:
         for each in (self._regions, self._nodes):

@@ -24,11 +24,13 @@ import yaml
 
 from kvshm.agent.view import ClusterView, KnownRegion
 from kvshm.api import REGION_KIND, SpecError, parse_offload_region, region_key
+from kvshm.api.messages import bounded
 from kvshm.region import safefile
 from kvshm.region.safefile import describe_file_type
 
 _SUFFIXES = (".yaml", ".yml")
 MAX_FILE_BYTES = 1 << 20  # a thousand regions' manifests; anything larger is refused unread
+MAX_PROBLEM = 1024  # characters of why a file was refused (a YAML error can quote the file)
 Signature = tuple[tuple[str, int, int, int], ...]
 
 
@@ -207,18 +209,30 @@ class LocalDirectorySource:
         try:
             text = read_bounded(path)
             documents = [d for d in yaml.load_all(text, Loader=_NoAliasLoader) if d is not None]
+            parsed = self._parse(path, documents, signature)
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-            kept = cached.regions if cached else {}
-            problem = (
-                f"{path} could not be read as YAML ({exc}); "
-                + (f"its regions {', '.join(sorted(kept))} are kept as they were" if kept else "")
-            ).rstrip("; ")
-            failed = _FileRegions(signature, dict(kept), {}, [problem])
-            self._files[name] = failed  # read again only once it changes
-            return failed
-        parsed = self._parse(path, documents, signature)
-        self._files[name] = parsed
+            parsed = self._failed(path, signature, cached, f"could not be read as YAML ({exc})")
+        except RecursionError:
+            parsed = self._failed(
+                path, signature, cached, "is nested too deeply to be read as YAML; flatten it"
+            )
+        except Exception as exc:  # one file's trouble must never stop a pass
+            parsed = self._failed(
+                path, signature, cached, f"could not be parsed ({type(exc).__name__}: {exc})"
+            )
+        self._files[name] = parsed  # read again only once it changes
         return parsed
+
+    @staticmethod
+    def _failed(
+        path: str, signature: tuple[int, int, int], cached: _FileRegions | None, why: str
+    ) -> _FileRegions:
+        """A file that stopped parsing: one problem, and the regions it had are kept."""
+        kept = cached.regions if cached else {}
+        problem = f"{path} {bounded(why, MAX_PROBLEM)}" + (
+            f"; its regions {', '.join(sorted(kept))} are kept as they were" if kept else ""
+        )
+        return _FileRegions(signature, dict(kept), {}, [problem])
 
     def _parse(
         self, path: str, documents: list[Any], signature: tuple[int, int, int]
