@@ -64,8 +64,15 @@ def reclaim(path: str, written: int = 0, size: int | None = None) -> ReclaimRequ
     return ReclaimRequest(path, size, WRITTEN + timedelta(seconds=written), "orphaned")
 
 
-def view(*regions: OffloadRegion, deleting: tuple[str, ...] = (), **kwargs: Any) -> ClusterView:
-    known = {r.key: KnownRegion(r, r.key in deleting) for r in regions}
+def view(
+    *regions: OffloadRegion,
+    deleting: tuple[str, ...] = (),
+    reported: tuple[str, ...] = (),
+    **kwargs: Any,
+) -> ClusterView:
+    """The regions as a source sees them: `deleting` keys have a deletionTimestamp, `reported`
+    keys a status.nodes.<NODE> entry that is not Removed."""
+    known = {r.key: KnownRegion(r, r.key in deleting, r.key in reported) for r in regions}
     return ClusterView(NODE, kwargs.pop("labels", {}), known, **kwargs)
 
 

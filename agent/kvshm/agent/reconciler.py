@@ -83,6 +83,7 @@ class NodeReconciler:
         self._release_unwanted(view, desired)
         self._drain_leftovers(view, desired, scan.inventory.files)
         self._report_given_up(view, given_up)
+        self._settle_earlier_reports(view, desired)
         self._advance_drains()
         for key in sorted(desired):
             if key not in view.invalid:
@@ -192,6 +193,16 @@ class NodeReconciler:
             known = view.regions.get(region.key)
             if known is not None and region.instance_id not in record.drains:
                 self._clear(record, region, known.deleting)
+
+    def _settle_earlier_reports(self, view: ClusterView, desired: dict[str, OffloadRegion]) -> None:
+        """A region deleted or placed elsewhere that this process knows nothing of, while its
+        status.nodes.<node> still says this node may hold its files: a report an earlier agent
+        process left (Failed; or Draining, when it stopped after removing the files). Nothing
+        else would ever replace it, and the operator waits for it to say Removed."""
+        for key, known in view.regions.items():
+            if key in desired or key in self._records or not known.reported_holding:
+                continue
+            self._clear(self._record(key), known.region, known.deleting)
 
     def _clear(self, record: RegionRecord, region: OffloadRegion, deleting: bool) -> None:
         """Removed once nothing of the region is left on the node: drained if a file of it
