@@ -64,8 +64,15 @@ def reclaim(path: str, written: int = 0, size: int | None = None) -> ReclaimRequ
     return ReclaimRequest(path, size, WRITTEN + timedelta(seconds=written), "orphaned")
 
 
-def view(*regions: OffloadRegion, deleting: tuple[str, ...] = (), **kwargs: Any) -> ClusterView:
-    known = {r.key: KnownRegion(r, r.key in deleting) for r in regions}
+def view(
+    *regions: OffloadRegion,
+    deleting: tuple[str, ...] = (),
+    reported: tuple[str, ...] = (),
+    **kwargs: Any,
+) -> ClusterView:
+    """The regions as a source sees them: `deleting` keys have a deletionTimestamp, `reported`
+    keys a status.nodes.<NODE> entry that is not Removed."""
+    known = {r.key: KnownRegion(r, r.key in deleting, r.key in reported) for r in regions}
     return ClusterView(NODE, kwargs.pop("labels", {}), known, **kwargs)
 
 
@@ -138,11 +145,10 @@ time.sleep(60)
 
 
 @contextlib.contextmanager
-def holding(path: Path, how: str = "flock") -> Iterator[subprocess.Popen[str]]:
-    """Another process maps the file: with a shared flock like kvshm attachers ("flock"), or
-    mapped only, with no flock and no open descriptor ("map")."""
+def _holder(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """`script` in a process of its own, once it printed "holding"; killed on exit."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(path), how], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
@@ -150,6 +156,40 @@ def holding(path: Path, how: str = "flock") -> Iterator[subprocess.Popen[str]]:
     finally:
         holder.kill()
         holder.wait()
+
+
+def holding(
+    path: Path, how: str = "flock"
+) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
+    """Another process maps the file: with a shared flock like kvshm attachers ("flock"), or
+    mapped only, with no flock and no open descriptor ("map")."""
+    return _holder(_HOLDER, str(path), how)
+
+
+_LEASER = """
+import fcntl, os, signal, sys, time
+signal.signal(signal.SIGIO, signal.SIG_IGN)  # the kernel's notice that the lease is wanted
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_SH)  # attached, as a kvshm worker is, while the agent has it open
+print("holding", flush=True)
+while True:  # a read lease needs every writer gone (the agent lets go when it drains)
+    try:
+        if fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_UNLCK:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+            fcntl.flock(fd, fcntl.LOCK_UN)  # from now on only the lease stands in the way
+            print("leased", flush=True)
+    except OSError:
+        pass
+    time.sleep(0.001)
+"""
+
+
+def leasing(path: Path) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
+    """Another process holds the file with a shared flock, then, as soon as no one has it open
+    for writing, with a read lease (F_SETLEASE) instead (it prints "leased"): any open for
+    writing fails with EWOULDBLOCK until the kernel breaks the lease (lease-break-time, 45 s by
+    default)."""
+    return _holder(_LEASER, str(path))
 
 
 def local_agent(regions: Path, root: Path, *extra: str) -> list[str]:

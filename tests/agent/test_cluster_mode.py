@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from kvshm.agent.reports import EventReason
+from kvshm.api import ReclaimPolicy, parse_node_reports
+from kvshm.operator.deletion import decide_release
 from tests.agent.builders import MIB, holding, manifest, region_dir
 from tests.agent.cluster import AgentCluster, agent_process, running_agent
 from tests.envtest.fixtures import clean_up
 from tests.envtest.server import EnvTest
+from tests.operator.builders import cluster as snapshot
 from tests.waiting import wait_for
 
 NODE = "node-a"
@@ -144,6 +147,35 @@ def test_delete_drains_waits_for_holders_and_removes(cluster: AgentCluster, shm_
         assert not path.exists() and not (shm_dir / "root" / namespace).exists()
         reasons = [e["reason"] for e in cluster.all_events()]
         assert "Draining" in reasons and "Drained" in reasons
+
+
+def test_a_restarted_agent_replaces_what_its_earlier_process_reported(
+    cluster: AgentCluster, shm_dir: Path
+) -> None:
+    """Entries an earlier agent process left (Failed after a refused creation; Draining when it
+    stopped after removing the files) for regions deleted or moved while no agent ran: the new
+    process, which has none of their files, reports them Removed, so the deletion can finish."""
+    cluster.add_node(NODE)
+    namespace = cluster.namespace
+    deleted = manifest("deleted", namespace)
+    deleted["metadata"]["finalizers"] = ["kvshm.dev/operator"]  # what the operator adds
+    cluster.create(deleted)
+    cluster.create(manifest("moved", namespace, placement={"nodeNames": ["node-b"]}))
+    cluster.create(manifest("never-here", namespace, placement={"nodeNames": ["node-b"]}))
+    earlier = {"deleted": "Failed", "moved": "Draining"}
+    for name, phase in earlier.items():
+        entry = {"phase": phase, "message": "as the earlier process left it"}
+        cluster.patch_region_status(name, {"status": {"nodes": {NODE: entry}}})
+    cluster.delete_region("deleted")  # the finalizer keeps it, deletionTimestamp set
+    with running_agent(cluster.kubeconfig, NODE, shm_dir / "root"):
+        for name in earlier:
+            wait_for(lambda n=name: cluster.phase_on(n, NODE) == "Removed", 30, f"{name} Removed")
+            status = cluster.node_status(name, NODE)
+            assert status["message"] == "nothing of the region is on this node", status
+        # what the operator decides on: this node no longer holds the deleted region's files
+        reports = parse_node_reports(cluster.status("deleted"))
+        assert decide_release(ReclaimPolicy.DELETE, reports, snapshot([NODE])).release
+        assert cluster.phase_on("never-here", NODE) == ""  # no entry: none is written
 
 
 def test_restart_adopts_and_sigkill_mid_populate_loses_nothing(

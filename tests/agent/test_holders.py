@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvshm.agent.holders import HoldChecker, scan_proc
 from kvshm.region import RegionLayout, SharedOffloadRegion
-from tests.agent.builders import holding
+from tests.agent.builders import holding, leasing
 
 SIZE = 4 * 65536
 LAYOUT = RegionLayout(4, 65536, 1)
@@ -60,3 +60,13 @@ def test_the_scan_ignores_the_agents_own_mappings(shm_dir: Path) -> None:
     with SharedOffloadRegion("h", LAYOUT, directory=str(shm_dir), mode="attach"):
         st = path.stat()
         assert (st.st_dev, st.st_ino) not in scan_proc()
+
+
+def test_a_read_lease_counts_as_holding_the_file(shm_dir: Path) -> None:
+    """The probe opens the file for writing: a lease holder makes that open fail at once
+    (EWOULDBLOCK) instead of letting it through."""
+    path = make_file(shm_dir)
+    with leasing(path) as leaser:
+        assert leaser.stdout is not None and leaser.stdout.readline().strip() == "leased"
+        assert is_held(HoldChecker(), path)
+    assert not is_held(HoldChecker(), path)

@@ -14,6 +14,7 @@ from tests.agent.builders import (
     MIB,
     RecordingNotifier,
     holding,
+    leasing,
     make_reconciler,
     region,
     region_dir,
@@ -185,6 +186,26 @@ def test_grace_period_ends_the_wait_for_a_holder(shm_dir: Path) -> None:
         result = reconciler.reconcile(view(r1, deleting=("ns1/r1",)))
         report = result.reports["ns1/r1"]
         assert report.phase is NodeRegionPhase.REMOVED
+        assert "grace period ended" in report.message
+        assert not file_of(root).exists()
+
+
+def test_a_lease_on_the_file_is_a_holder_the_grace_period_decides_on(shm_dir: Path) -> None:
+    root = shm_dir / "root"
+    reconciler = make_reconciler(root, drain_grace_seconds=1.5)
+    r1 = region()
+    deleted = view(r1, deleting=("ns1/r1",))
+    settle(reconciler, view(r1))
+    with leasing(file_of(root)) as leaser:
+        first = reconciler.reconcile(deleted)  # the agent lets go: the lease can be taken
+        assert first.reports["ns1/r1"].phase is NodeRegionPhase.DRAINING
+        assert leaser.stdout is not None and leaser.stdout.readline().strip() == "leased"
+        report = reconciler.reconcile(deleted).reports["ns1/r1"]
+        assert report.phase is NodeRegionPhase.DRAINING
+        assert "waiting up to" in report.message, report.message
+        time.sleep(1.6)
+        report = reconciler.reconcile(deleted).reports["ns1/r1"]
+        assert report.phase is NodeRegionPhase.REMOVED, report.message
         assert "grace period ended" in report.message
         assert not file_of(root).exists()
 

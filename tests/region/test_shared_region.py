@@ -339,3 +339,31 @@ def test_replicated_views_of_every_rank_are_the_one_shared_copy(shm_dir: Path) -
         assert creator.create_kv_memoryview()[5, 2999] == 7
         for worker, _ in views:
             worker.cleanup()
+
+
+def test_a_file_truncated_while_populated_is_told_as_resized_not_as_a_full_tmpfs(
+    shm_dir: Path,
+) -> None:
+    """Whoever may write the file (its owner) can truncate it under the creator: the populate
+    faults as on a full tmpfs, and the error says what really happened."""
+    mib = 1024 * 1024
+    layout = RegionLayout(128, mib, 1)  # two populate chunks of 64 MiB
+    path = shm_dir / "vllm_offload_cut.mmap"
+
+    def truncate_after_the_first_chunk(done: int) -> None:
+        if done < layout.size_bytes:
+            os.truncate(path, 0)
+
+    with pytest.raises(
+        RegionSizeMismatchError,
+        match=f"{path} changed size while it was being populated: it is 0 bytes, the layout "
+        f"needs {layout.size_bytes}",
+    ):
+        SharedOffloadRegion(
+            "cut",
+            layout,
+            directory=str(shm_dir),
+            populate_threads=1,
+            progress=truncate_after_the_first_chunk,
+        )
+    assert not path.exists()  # the creator still removed its file

@@ -37,6 +37,8 @@ from kvshm.agent.sizes import format_bytes
 from kvshm.api import OffloadRegion, ReclaimPolicy, region_key
 from kvshm.region import UnsafePathError
 
+NOTHING_HERE = "nothing of the region is on this node"
+
 
 @dataclass(frozen=True)
 class DrainEvent:
@@ -206,33 +208,69 @@ class Drainer:
                 for entry in linked
                 if region_dir.lstat(entry.name) is None  # its name went: the links keep it
             ]
+        leftovers += self._remove_event_queue(region_dir)
+        return self._finish(region_dir, outcome, leftovers, "; ".join(notes))
+
+    def clear(self, region: OffloadRegion) -> DrainStep | None:
+        """What is left of a region no longer wanted here none of whose files is on the node
+        (its creation failed, or an earlier agent process removed them): its event queue is
+        let go of and removed, then its directory if nothing else is in it. None when a file
+        of the region is there after all: drain it instead."""
+        try:
+            region_dir = self._root.open_region_dir(region.namespace, region.name)
+        except UnsafePathError as exc:  # not a directory the agent ever made files in
+            return DrainStep(DrainOutcome.GONE, f"{NOTHING_HERE}; {describe(exc)}", [describe(exc)])
+        if region_dir is None:
+            return DrainStep(DrainOutcome.GONE, NOTHING_HERE)
+        with region_dir:
+            files, unsafe = files_of(region_dir, region.instance_id)
+            if files is not None:
+                return None
+            leftovers = [describe_unsafe(region_dir, entry) for entry in unsafe]
+            leftovers += self._remove_event_queue(region_dir)
+            kept = self._remove_dir(region_dir)
+            message = f"{NOTHING_HERE}; {kept or f'removed {region_dir.path}'}"
+            return DrainStep(DrainOutcome.GONE, _with_leftovers(message, leftovers), leftovers)
+
+    def _remove_event_queue(self, region_dir: RegionDir) -> list[str]:
+        """Let go of the region's event queue and remove its files; what was left, and why."""
         self._notifier.close(region_dir)
+        leftovers = []
         for name in self._notifier.file_names(region_dir):
             problem = region_dir.unlink_regular(name)
             if problem:
                 leftovers.append(problem)
-        return self._finish(region_dir, outcome, leftovers, "; ".join(notes))
+        return leftovers
+
+    def _remove_dir(self, region_dir: RegionDir) -> str | None:
+        """Remove the region directory (and the namespace's) if nothing else is in it; None
+        if removed, else what it still holds."""
+        if region_dir.remove_if_empty():
+            self._root.remove_namespace_if_empty(region_dir.namespace)
+            return None
+        others = region_dir.entries(limit=6)
+        named = ", ".join(map(printable, others[:5])) + (", ..." if len(others) > 5 else "")
+        return (
+            f"{region_dir.path} still holds files the agent did not make ({named}) and was "
+            f"left in place"
+        )
 
     def _finish(
         self, region_dir: RegionDir, outcome: DrainOutcome, leftovers: list[str], note: str = ""
     ) -> DrainStep:
-        if region_dir.remove_if_empty():
-            self._root.remove_namespace_if_empty(region_dir.namespace)
-            message = f"removed {region_dir.path}"
-        else:
-            others = region_dir.entries(limit=6)
-            named = ", ".join(map(printable, others[:5])) + (", ..." if len(others) > 5 else "")
-            message = (
-                f"removed the region's files; {region_dir.path} still holds files the agent "
-                f"did not make ({named}) and was left in place"
-            )
+        kept = self._remove_dir(region_dir)
+        message = (
+            f"removed {region_dir.path}" if kept is None else f"removed the region's files; {kept}"
+        )
         if outcome is DrainOutcome.GRACE_EXPIRED:
             message += "; the grace period ended while a process still held the file"
         if note:
             message += "; " + note
-        if leftovers:
-            message += "; not removed: " + "; ".join(leftovers)
-        return DrainStep(outcome, message, leftovers)
+        return DrainStep(outcome, _with_leftovers(message, leftovers), leftovers)
+
+
+def _with_leftovers(message: str, leftovers: list[str]) -> str:
+    return message + ("; not removed: " + "; ".join(leftovers) if leftovers else "")
 
 
 def _file_id(st: os.stat_result) -> tuple[int, int]:

@@ -7,6 +7,8 @@ open file descriptions, so the agent's own mapping counts only if the agent kept
 drops it after opening (see hosting.py). While the probe holds the exclusive lock a new attacher
 cannot take its shared one and retries, which is what makes "probe, then remove" safe.
 
+A read lease (F_SETLEASE) counts as holding too: it makes the probe's open fail with EWOULDBLOCK.
+
 Processes that map the file without kvshm (vLLM's own code) take no flock. With proc_scan the
 agent also looks through /proc/<pid>/maps and /proc/<pid>/fd of every process it can see; in a
 pod that needs the host's PID namespace (hostPID) and CAP_SYS_PTRACE, else it sees only its own
@@ -33,7 +35,12 @@ def try_exclusive(
 
     Raises UnsafePathError for anything `check` refuses (by default anything but a regular
     single-link file), FileNotFoundError if there is none."""
-    fd = safefile.open_checked(file_name, os.O_RDWR, path, dir_fd, check)
+    try:
+        fd = safefile.open_checked(file_name, os.O_RDWR, path, dir_fd, check)
+    except BlockingIOError:
+        # a process's read lease (F_SETLEASE) refuses the non-blocking open for writing
+        # until the kernel breaks it (lease-break-time): that process holds the file
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

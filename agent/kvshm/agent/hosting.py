@@ -10,6 +10,7 @@ the files outlive it and are adopted again, never re-created, on the next start.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 import time
@@ -22,6 +23,8 @@ from kvshm.agent.sizes import format_bytes
 from kvshm.agent.throttle import RateLimit
 from kvshm.api import NodeRegionPhase, OffloadRegion
 from kvshm.region import OpenMode, RegionError, RegionLockError, SharedOffloadRegion
+
+log = logging.getLogger(__name__)
 
 # The file exists with its size when the agent decides to adopt it; a short wait only covers
 # it disappearing in between (then the next pass looks again).
@@ -188,17 +191,20 @@ class HostedRegion:
                 self._shared = self._open_shared()
                 self._finish(self._shared)
         except (RegionError, OSError) as exc:
-            self._set(
-                HostingStatus(
-                    NodeRegionPhase.FAILED,
-                    message=describe(exc).replace(self._fd_dir, self._display_dir),
-                    error=classify(exc),
-                )
-            )
+            self._failed(describe(exc), classify(exc))
+        except Exception as exc:
+            # anything else is a failed attempt too: a thread that died would leave the region
+            # Creating forever, and its half-made files to no one
+            log.exception("opening region %s failed unexpectedly", self.region.key)
+            self._failed(f"unexpected {type(exc).__name__}: {exc}", ErrorReason.IO)
         finally:
             os.close(self._dir_fd)
             self._dir_fd = -1
             self._on_done()
+
+    def _failed(self, message: str, error: ErrorReason) -> None:
+        message = message.replace(self._fd_dir, self._display_dir)
+        self._set(HostingStatus(NodeRegionPhase.FAILED, message=message, error=error))
 
     def _open_shared(self) -> SharedOffloadRegion:
         region = self.region

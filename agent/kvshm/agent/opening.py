@@ -1,7 +1,6 @@
 """Opening a region's files for the agent, and what it finds and leaves in the region's directory
 around that: the checks before (descriptors, room on the root), whether existing files are
-adopted, stray files of the instance id, the partial files of a failed creation, the empty
-directory of a region given up on."""
+adopted, stray files of the instance id, the partial files of a failed creation."""
 
 from __future__ import annotations
 
@@ -196,16 +195,3 @@ def remove_failed_creation(root: RegionRoot, holds: HoldChecker, hosted: HostedR
     if problems:
         return f"; kept partial files: {'; '.join(problems)}"
     return "; the partial files were removed"
-
-
-def remove_empty_dir(root: RegionRoot, region: OffloadRegion) -> None:
-    """The directory a failed attempt made, if nothing is in it (anything else stays)."""
-    try:
-        region_dir = root.open_region_dir(region.namespace, region.name)
-        if region_dir is None:
-            return
-        with region_dir:
-            if region_dir.remove_if_empty():
-                root.remove_namespace_if_empty(region.namespace)
-    except (RegionError, OSError) as exc:
-        log.warning("kept the directory of failed region %s: %s", region.key, describe(exc))

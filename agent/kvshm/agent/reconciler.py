@@ -22,7 +22,7 @@ from kvshm.agent.errors import ErrorReason, classify, describe
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion, HostingSettings
 from kvshm.agent.inventory import InventoryScanner
-from kvshm.agent.opening import Refusal, RegionOpener, remove_empty_dir, remove_failed_creation
+from kvshm.agent.opening import Refusal, RegionOpener, remove_failed_creation
 from kvshm.agent.reclaim import ReclaimBook, Reclaimer
 from kvshm.agent.record import Backoff, Failure, RegionRecord, RegionState
 from kvshm.agent.reports import AgentEvent, EventReason, PassResult
@@ -83,6 +83,7 @@ class NodeReconciler:
         self._release_unwanted(view, desired)
         self._drain_leftovers(view, desired, scan.inventory.files)
         self._report_given_up(view, given_up)
+        self._settle_earlier_reports(view, desired)
         self._advance_drains()
         for key in sorted(desired):
             if key not in view.invalid:
@@ -185,19 +186,43 @@ class NodeReconciler:
 
     def _report_given_up(self, view: ClusterView, given_up: list[OffloadRegion]) -> None:
         """A failed region no longer wanted here (deleted, or placed elsewhere) whose file is
-        not on the node (the inventory found none to drain) is Removed: its last report,
-        Failed, would otherwise hold its deletion forever."""
+        not on the node (the inventory found none to drain) is cleared and Removed: its last
+        report, Failed, would otherwise hold its deletion forever."""
         for region in given_up:
             record = self._record(region.key)
-            if region.key in view.regions and region.instance_id not in record.drains:
-                remove_empty_dir(self.root, region)
-                record.note_removed(
-                    NodeReport(
-                        NodeRegionPhase.REMOVED,
-                        message="nothing of the region is on this node",
-                        observed_generation=region.generation,
-                    )
-                )
+            known = view.regions.get(region.key)
+            if known is not None and region.instance_id not in record.drains:
+                self._clear(record, region, known.deleting)
+
+    def _settle_earlier_reports(self, view: ClusterView, desired: dict[str, OffloadRegion]) -> None:
+        """A region deleted or placed elsewhere that this process knows nothing of, while its
+        status.nodes.<node> still says this node may hold its files: a report an earlier agent
+        process left (Failed; or Draining, when it stopped after removing the files). Nothing
+        else would ever replace it, and the operator waits for it to say Removed."""
+        for key, known in view.regions.items():
+            if key in desired or key in self._records or not known.reported_holding:
+                continue
+            self._clear(self._record(key), known.region, known.deleting)
+
+    def _clear(self, record: RegionRecord, region: OffloadRegion, deleting: bool) -> None:
+        """Removed once nothing of the region is left on the node: drained if a file of it
+        is there after all."""
+        try:
+            step = self._drainer.clear(region)
+        except (RegionError, OSError) as exc:  # looked at again on the next pass
+            log.warning(
+                "could not look at what is left of region %s: %s", region.key, describe(exc)
+            )
+            return
+        if step is None:
+            why = "region deleted" if deleting else "not placed on this node"
+            self._begin_drain(record, region, None, why)
+            return
+        record.note_removed(
+            NodeReport(
+                NodeRegionPhase.REMOVED, message=step.message, observed_generation=region.generation
+            )
+        )
 
     def _begin_drain(
         self, record: RegionRecord, region: OffloadRegion, hosted: HostedRegion | None, why: str

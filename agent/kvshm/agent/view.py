@@ -12,6 +12,9 @@ from kvshm.api import OffloadRegion, ReclaimRequest, RegionAddress
 class KnownRegion:
     region: OffloadRegion
     deleting: bool = False  # metadata.deletionTimestamp is set: drain it everywhere
+    # status.nodes.<this node> is there and not Removed: as far as the cluster knows, this node
+    # may still hold the region's files (cluster mode; a local source has no such report)
+    reported_holding: bool = False
 
 
 @dataclass(frozen=True)

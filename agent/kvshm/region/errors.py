@@ -36,6 +36,23 @@ class RegionSizeMismatchError(RegionError, OSError):
         self.expected_bytes = expected_bytes
 
 
+class RegionResizedError(RegionSizeMismatchError):
+    """A region file changed size while this process opened or populated it: another process
+    (one the file's owner allows to write it) truncated or grew it meanwhile."""
+
+    def __init__(self, path: str, actual_bytes: int, expected_bytes: int, when: str) -> None:
+        OSError.__init__(
+            self,
+            errno.ESTALE,
+            f"region file {path} changed size {when}: it is {actual_bytes} bytes, the layout "
+            f"needs {expected_bytes}. Another process with write access truncated or grew it; "
+            f"nothing may write the region's files but the region itself.",
+        )
+        self.path = path
+        self.actual_bytes = actual_bytes
+        self.expected_bytes = expected_bytes
+
+
 class RegionFileMissingError(RegionSizeMismatchError):
     """File 0 of a segmented region exists but a later file of it does not; nothing is created."""
 

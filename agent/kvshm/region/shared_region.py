@@ -17,6 +17,7 @@ from kvshm.region.errors import (
     InvalidLayoutError,
     RegionError,
     RegionLockError,
+    RegionResizedError,
     RegionSpaceError,
 )
 from kvshm.region.files import OpenMode, RegionFiles, check_file_mode
@@ -139,8 +140,14 @@ class SharedOffloadRegion:
         go into an address range reserved for them, each mapped over its part (MAP_FIXED)."""
         size = self.layout.size_bytes
         prot = mmap.PROT_READ | mmap.PROT_WRITE
+        # the files' owner can truncate them at any time, also between sizing and mapping
+        self._check_sizes("before it was mapped")
         if len(self.files) == 1:
-            self._mapping = mmap.mmap(self._fd, size, mmap.MAP_SHARED, prot)
+            try:
+                self._mapping = mmap.mmap(self._fd, size, mmap.MAP_SHARED, prot)
+            except ValueError:  # Python's mmap refuses a file shorter than the length asked
+                self._check_sizes("while it was being mapped")
+                raise
             self.address = memory.mapping_address(self._mapping)
             return
         # the reservation is replaced at once: MAP_NORESERVE keeps it out of the commit charge
@@ -148,6 +155,13 @@ class SharedOffloadRegion:
         self.address = memory.mapping_address(self._mapping)
         for file, fd in zip(self.files, self._fds, strict=True):
             memory.map_file_at(self.address + file.offset, file.length, fd)
+
+    def _check_sizes(self, when: str) -> None:
+        """Raise RegionResizedError if any file no longer has its layout's length."""
+        for index, (file, fd) in enumerate(zip(self.files, self._fds, strict=True)):
+            actual = os.fstat(fd).st_size
+            if actual != file.length:
+                raise RegionResizedError(self._files.path(index), actual, file.length, when)
 
     def mapped_files(self) -> list[MappedFile]:
         """Each file's place in the mapping and its descriptor (valid until cleanup())."""
@@ -201,6 +215,8 @@ class SharedOffloadRegion:
         try:
             self.populate_method = populator.populate(ranges)
         except PopulateOutOfSpace as exc:
+            # a page past a file's end faults like a full tmpfs: say which it was
+            self._check_sizes("while it was being populated")
             raise RegionSpaceError(
                 self.mmap_path,
                 size,

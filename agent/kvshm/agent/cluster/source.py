@@ -22,6 +22,7 @@ from kvshm.api import (
     NodeName,
     ReclaimRequest,
     SpecError,
+    parse_node_reports,
     parse_offload_region,
 )
 from kvshm.api.offload_node import parse_reclaim_requests, parse_retained
@@ -103,7 +104,9 @@ class ClusterSource:
                 log.warning("OffloadRegion %s could not be parsed", key, exc_info=True)
                 continue
             deleting = bool((obj.get("metadata") or {}).get("deletionTimestamp"))
-            regions[region.key] = KnownRegion(region, deleting)
+            reported = parse_node_reports(obj.get("status")).get(self.node_name)
+            holding = reported is not None and reported.holds_files
+            regions[region.key] = KnownRegion(region, deleting, holding)
         problems = [w.last_error for w in (self._regions, self._nodes) if w.last_error]
         self._refresh_labels()
         if self._labels_problem:
