@@ -11,7 +11,7 @@ import pytest
 
 from tests.envtest.fixtures import CHART_NAMESPACE
 from tests.envtest.server import EnvTest
-from tests.operator.harness import Agent, Cluster, OperatorProcess
+from tests.operator.harness import Agent, Cluster, OperatorProcess, operator_process
 from tests.waiting import wait_for
 
 NODES = ("node-a", "node-b")
@@ -94,11 +94,4 @@ def api_operator(
     request: pytest.FixtureRequest,
 ) -> Iterator[OperatorProcess]:
     """`python -m kvshm.operator` with the chart's operator ServiceAccount token."""
-    operator = OperatorProcess(
-        operator_kubeconfig, tmp_path, args=("--liveness", "none", "--log-level", "debug")
-    ).start()
-    yield operator
-    operator.kill()
-    failed = getattr(request.node, "rep_call", None)
-    if failed is not None and failed.failed:
-        print(f"----- operator -----\n{operator.output()[-8000:]}")
+    yield from operator_process(operator_kubeconfig, tmp_path, request)

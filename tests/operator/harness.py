@@ -18,6 +18,7 @@ from typing import Any
 
 import kopf
 import kubernetes
+import pytest
 from kopf.testing import KopfRunner
 
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
@@ -311,3 +312,20 @@ class Holder:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait(timeout=10)
+
+
+def operator_process(
+    kubeconfig: Path,
+    log_dir: Path,
+    request: pytest.FixtureRequest,
+    config: OperatorConfig = TEST_CONFIG,
+) -> Iterator[OperatorProcess]:
+    """The operator as a process, killed after the test; its log printed if the test failed."""
+    operator = OperatorProcess(
+        kubeconfig, log_dir, config, ("--liveness", "none", "--log-level", "debug")
+    ).start()
+    yield operator
+    operator.kill()
+    failed = getattr(request.node, "rep_call", None)
+    if failed is not None and failed.failed:
+        print(f"----- operator -----\n{operator.output()[-8000:]}")

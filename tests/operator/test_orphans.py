@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from datetime import timedelta
 
-from kvshm.api import RetainedFile, parse_offload_node
-from kvshm.operator.orphans import OrphanClock, Refusal, decide_reclaims
+from kvshm.api import (
+    NodeInventory,
+    NodeName,
+    OffloadNode,
+    ReclaimOutcome,
+    ReclaimRequest,
+    ReclaimResult,
+    RetainedFile,
+    parse_offload_node,
+)
+from kvshm.operator.nodes import reclaims_after
+from kvshm.operator.orphans import (
+    RECLAIM_RETRY_FIRST_SECONDS,
+    RECLAIM_RETRY_MAX_SECONDS,
+    OrphanClock,
+    Refusal,
+    decide_reclaims,
+)
 from tests.operator.builders import NOW, agent, file
 
 GRACE = 60.0
@@ -171,3 +188,70 @@ def test_a_claim_only_the_agent_saw_between_sweeps_restarts_the_time() -> None:
     decision = sweep(agent("a", files=(later,)), first.clock, at=GRACE + 1)
     assert decision.requests == ()
     assert decision.clock.since[ORPHAN.path] == reclaimed_later
+
+
+def _run_sweeps_against_an_agent_that_fails(minutes: int) -> list[float]:
+    """Sweeps every 5 s against an agent that answers every request Failed at once: the
+    seconds (from NOW) at which a request was written."""
+    orphan = file(ORPHAN.path, orphaned_since=NOW - timedelta(hours=1))
+    requests: tuple[ReclaimRequest, ...] = ()
+    results: tuple[ReclaimResult, ...] = ()
+    clock, written = OrphanClock(), []
+    for step in range(minutes * 12):
+        now = NOW + timedelta(seconds=5 * step)
+        node = OffloadNode(
+            NodeName("a"), NodeInventory(files=(orphan,), reclaims=results), reclaims=requests
+        )
+        decision = decide_reclaims(node, (), clock, now, GRACE)
+        clock = decision.clock
+        written += [5.0 * step for _ in decision.requests]
+        spec = reclaims_after(node, decision, now)
+        if spec is not None:
+            requests = tuple(ReclaimRequest.from_spec(entry) for entry in spec)
+        # the agent drops results of requests no longer in its spec, answers the new ones
+        results = tuple(
+            ReclaimResult(request.path, ReclaimOutcome.FAILED, "Permission denied", now)
+            for request in requests
+        )
+    return written
+
+
+def test_a_reclaim_the_agent_cannot_do_is_asked_again_after_a_doubling_wait() -> None:
+    written = _run_sweeps_against_an_agent_that_fails(minutes=30)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(written)]
+    assert written[0] == 0.0 and len(written) == 5, written  # not every other sweep
+    first = RECLAIM_RETRY_FIRST_SECONDS
+    # each wait counts from the answer, seen one sweep after the request
+    assert [gap - 5 for gap in gaps] == [first, 2 * first, 4 * first, 8 * first]
+
+
+def test_the_wait_never_exceeds_its_cap() -> None:
+    written = _run_sweeps_against_an_agent_that_fails(minutes=24 * 60 // 4)
+    assert max(b - a for a, b in itertools.pairwise(written)) == (RECLAIM_RETRY_MAX_SECONDS + 5)
+
+
+def test_a_done_answer_ends_the_wait() -> None:
+    orphan = file(ORPHAN.path, orphaned_since=NOW - timedelta(hours=1))
+    failed = agent("a", files=(orphan,), requests=(ORPHAN.path,), results={ORPHAN.path: "Failed"})
+    closed = sweep(failed)
+    assert ORPHAN.path in closed.clock.retry
+    done = agent("a", files=(orphan,), requests=(ORPHAN.path,), results={ORPHAN.path: "Done"})
+    assert ORPHAN.path not in sweep(done, closed.clock, at=5).clock.retry
+    # and a file held in between forgets it too (its time as an orphan starts again)
+    held = sweep(agent("a", files=(file(ORPHAN.path, held=True),)), closed.clock, at=5)
+    assert held.clock.retry == {}
+
+
+def test_an_answer_to_an_earlier_request_does_not_close_a_new_one() -> None:
+    orphan = file(ORPHAN.path, orphaned_since=NOW - timedelta(hours=1))
+    earlier = ReclaimResult(ORPHAN.path, ReclaimOutcome.DONE, "removed", NOW)
+    fresh = ReclaimRequest(ORPHAN.path, 4096, NOW + timedelta(seconds=60), "orphaned")
+    node = OffloadNode(
+        NodeName("a"), NodeInventory(files=(orphan,), reclaims=(earlier,)), reclaims=(fresh,)
+    )
+    decision = sweep(node, at=61)
+    assert decision.results == ()
+    assert reclaims_after(node, decision, NOW + timedelta(seconds=61)) is None  # still pending
+    answer = ReclaimResult(ORPHAN.path, ReclaimOutcome.DONE, "removed", NOW + timedelta(seconds=60))
+    answered = dataclasses.replace(node, status=NodeInventory(files=(orphan,), reclaims=(answer,)))
+    assert [r.time for r in sweep(answered, at=61).results] == [answer.time]

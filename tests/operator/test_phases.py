@@ -147,6 +147,14 @@ def test_invalid_spec_is_failed_with_the_parsers_message() -> None:
     assert accepted is not None and "numBlocks" in accepted.message
 
 
+def test_a_spec_turned_invalid_drops_the_size_of_the_valid_one() -> None:
+    valid = status_patch({}, derive_status(TWO, reports(a="Ready"), cluster(["a", "b"])), NOW)
+    invalid = status_patch(valid, derive_invalid("spec.layout: bad", 2), NOW)
+    assert invalid["nodesWanted"] == 0
+    assert "sizeBytes" in invalid and invalid["sizeBytes"] is None  # null: removed
+    assert "sizeBytes" not in status_patch({}, derive_invalid("spec.layout: bad", 2), NOW)
+
+
 def test_status_patch_is_empty_when_status_is_current() -> None:
     derived = derive_status(TWO, reports(a="Ready", b="Ready"), cluster(["a", "b"]))
     first = status_patch({}, derived, NOW)

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import kopf
+import pytest
+
+from kvshm.operator import handlers
+from kvshm.operator.config import OperatorConfig
 from kvshm.operator.placement import PlacementReason, Verdict, place
 from tests.operator.builders import agent, cluster, region
 
@@ -76,3 +83,36 @@ def test_an_agent_that_has_not_measured_its_root_yet_waits() -> None:
     result = place(region(size_gib=32), view)
     assert result.verdict is Verdict.WAITING
     assert "not measured" in result.message
+
+
+def _validate_delay(retry: int) -> float:
+    """The delay kopf is given to validate again a region placed on a node without an agent
+    (the node exists; its agent never reports), at kopf's retry number `retry`."""
+    manifest = {
+        "apiVersion": "kvshm.dev/v1alpha1",
+        "kind": "OffloadRegion",
+        "metadata": {"name": "r1", "namespace": "team", "generation": 1},
+        "spec": {
+            "layout": {"numBlocks": 16, "cpuPageSize": 4096},
+            "placement": {"nodeNames": ["a"]},
+        },
+    }
+    config = OperatorConfig(placement_retry_seconds=10.0)
+    with pytest.raises(kopf.TemporaryError) as waiting:
+        asyncio.run(
+            handlers.validate(
+                body=kopf.Body(manifest),
+                memo=kopf.Memo(config=config),
+                retry=retry,
+                node_labels={"a": [{}]},
+                agents={},
+            )
+        )
+    assert "waiting for a" in str(waiting.value)
+    assert waiting.value.delay is not None
+    return waiting.value.delay
+
+
+def test_a_waiting_placement_is_validated_again_less_and_less_often() -> None:
+    assert [_validate_delay(retry) for retry in range(6)] == [10, 20, 40, 80, 160, 300]
+    assert _validate_delay(1000) == handlers.PLACEMENT_RETRY_MAX_SECONDS == 300

@@ -28,12 +28,13 @@ from kvshm.api import (
     parse_offload_region,
     region_key,
 )
-from kvshm.api.reading import format_timestamp
+from kvshm.api.reading import MAX_RECLAIMS, format_timestamp
 from kvshm.operator import metrics
+from kvshm.operator.backoff import backoff_seconds
 from kvshm.operator.cluster import ClusterSnapshot, first_values
 from kvshm.operator.config import OperatorConfig
 from kvshm.operator.deletion import decide_release
-from kvshm.operator.kube import ClusterWriter, KubernetesClientWriter
+from kvshm.operator.kube import ClusterWriter, KubernetesClientWriter, SpecRefused
 from kvshm.operator.nodes import (
     add_retained,
     forget_retained,
@@ -52,6 +53,10 @@ from kvshm.operator.phases import (
 )
 from kvshm.operator.placement import Verdict, place
 from kvshm.operator.settings import FINALIZER, configure
+
+# a waiting placement is re-validated after placement_retry_seconds, then twice as long each
+# time, up to this
+PLACEMENT_RETRY_MAX_SECONDS = 300.0
 
 
 def _now() -> datetime:
@@ -142,14 +147,16 @@ def _parse(body: kopf.Body) -> OffloadRegion:
 async def validate(
     body: kopf.Body,
     memo: kopf.Memo,
+    retry: int,
     node_labels: kopf.Index[str, dict[str, str]],
     agents: kopf.Index[str, OffloadNode],
     **_: Any,
 ) -> None:
     """Reject what the schema cannot: unknown nodes, an empty match, a size no node holds.
 
-    The condition itself is written by the status reconcile (same rules, same cycle); this
-    handler gives kopf the verdict: never retry a bad spec, retry a waiting one.
+    The condition itself is written by the status reconcile (same rules, same cycle, on every
+    event); this handler gives kopf the verdict: never retry a bad spec, retry a waiting one,
+    less often the longer it waits (a node that never runs an agent is waited for forever).
     """
     config = _config(memo)
     placement = place(_parse(body), _cluster(config, node_labels, agents))
@@ -158,7 +165,8 @@ async def validate(
         kopf.warn(body, reason=placement.reason.value, message=placement.message)
         raise kopf.PermanentError(placement.message)
     if placement.verdict is Verdict.WAITING:
-        raise kopf.TemporaryError(placement.message, delay=config.placement_retry_seconds)
+        delay = backoff_seconds(config.placement_retry_seconds, retry, PLACEMENT_RETRY_MAX_SECONDS)
+        raise kopf.TemporaryError(placement.message, delay=delay)
 
 
 # --- OffloadRegion: status, level-based ------------------------------------------------------
@@ -278,19 +286,31 @@ async def release(
     if not decision.release:
         raise kopf.TemporaryError(decision.summary, delay=config.deletion_poll_seconds)
     if decision.retained and region is not None:
-        await _mark_retained(memo, region, decision.retained)
+        await _mark_retained(body, memo, region, decision.retained)
         kopf.info(body, reason="Retained", message=decision.summary)
     for item in decision.abandoned:
         kopf.warn(body, reason=item.reason.value, message=f"released anyway: {item.message}")
     metrics.TOTALS.set_region_phase(region_key(namespace, name), None)
 
 
-async def _mark_retained(memo: kopf.Memo, region: OffloadRegion, nodes: tuple[str, ...]) -> None:
-    """Record retained files in their nodes' specs, so orphan reclaim leaves them alone."""
+async def _mark_retained(
+    body: kopf.Body, memo: kopf.Memo, region: OffloadRegion, nodes: tuple[str, ...]
+) -> None:
+    """Record retained files in their nodes' specs, so orphan reclaim leaves them alone.
+
+    A record that cannot be written (a full list) is lost, with a Warning: the deletion goes
+    on, since retrying would hold the finalizer for good."""
     writer: ClusterWriter = memo.writer
     entry = retained_entry(region.key, region.address.file_0_path, _now())
     for node in nodes:
-        await writer.edit_offload_node_spec(node, add_retained(entry))
+        try:
+            await writer.edit_offload_node_spec(node, add_retained(entry))
+        except SpecRefused as exc:
+            kopf.warn(
+                body,
+                reason="RetainNotRecorded",
+                message=f"released anyway; on node {node}: {exc}",
+            )
 
 
 # --- OffloadNode: orphans and gone nodes -----------------------------------------------------
@@ -299,24 +319,30 @@ async def _mark_retained(memo: kopf.Memo, region: OffloadRegion, nodes: tuple[st
 async def sweep_node(
     name: str,
     body: kopf.Body,
-    patch: kopf.Patch,
     memo: kopf.Memo,
+    logger: kopf.Logger,
     node_labels: kopf.Index[str, dict[str, str]],
     agents: kopf.Index[str, OffloadNode],
     region_paths: kopf.Index[str, str],
     live_region_paths: kopf.Index[str, str],
     **_: Any,
 ) -> None:
-    """Remove the OffloadNode of a gone node; else decide reclaims from its inventory."""
+    """Remove the OffloadNode of a gone node; else decide reclaims from its inventory.
+
+    Every write is made here, through the writer, never through kopf's patch of the timer:
+    kopf applies that patch outside the handler, and an error there (a 422 from the server)
+    ends the object's timer for good. An error here is the handler's: kopf logs it, the
+    metrics count it, and the next sweep runs as usual (wiring: errors are temporary).
+    """
     config = _config(memo)
     cluster = _cluster(config, node_labels, agents, region_paths)
     node = parse_offload_node(body)
     if node is None:
         return  # no node is named so: nothing speaks for it, nothing to decide
+    writer: ClusterWriter = memo.writer
     reason = removal_reason(node, cluster)
     if reason is not None:
         kopf.warn(body, reason="NodeGone", message=reason)
-        writer: ClusterWriter = memo.writer
         await writer.delete_offload_node(name)
         metrics.TOTALS.set_node_orphans(name, None)
         return
@@ -330,13 +356,17 @@ async def sweep_node(
         config.orphan_dry_run,
         live_paths=first_values(live_region_paths).values(),
     )
-    memo.orphan_clock = decision.clock
     reclaims = reclaims_after(node, decision, cluster.now)
     if reclaims is not None:
-        patch.spec["reclaims"] = reclaims
+        await writer.edit_offload_node_spec(name, lambda _spec: {"reclaims": reclaims})
     if decision.forget_retained:
-        writer = memo.writer
         await writer.edit_offload_node_spec(name, forget_retained(decision.forget_retained))
+    memo.orphan_clock = decision.clock  # only once written: a failed sweep is decided again
+    if decision.deferred:
+        logger.info(
+            f"{len(decision.deferred)} more orphans are due than spec.reclaims can hold "
+            f"(at most {MAX_RECLAIMS} at once): they are requested as earlier ones are answered"
+        )
     metrics.TOTALS.set_node_orphans(name, len(decision.orphans), decision.orphaned_bytes)
     _announce_reclaims(body, decision)
 

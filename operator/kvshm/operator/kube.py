@@ -9,6 +9,7 @@ worker thread so the event loop never blocks.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, cast
@@ -19,13 +20,21 @@ from kvshm.api import GROUP, NODE_PLURAL, VERSION
 # the resourceVersion read (a conflict means someone wrote in between: read again).
 SpecEdit = Callable[[Mapping[str, Any]], dict[str, Any] | None]
 CONFLICT_RETRIES = 5
+# The server's answers that the same write would get again: 422 Invalid (the CRD's bounds),
+# 413 too large (the object's size limit).
+REFUSED_STATUSES = frozenset({413, 422})
+
+
+class SpecRefused(Exception):
+    """A spec change that cannot be made as it is: the server refused it, or the edit found a
+    bound it would cross. Retrying the same change cannot help; the message says why."""
 
 
 class ClusterWriter(Protocol):
     async def edit_offload_node_spec(self, name: str, edit: SpecEdit) -> bool:
         """Apply edit(current spec) -> spec merge patch (None: nothing to do) to an OffloadNode.
 
-        False if the OffloadNode does not exist.
+        False if the OffloadNode does not exist; SpecRefused if the edit or the server refuses.
         """
 
     async def delete_offload_node(self, name: str) -> bool:
@@ -88,6 +97,19 @@ class KubernetesClientWriter:
                     continue
                 if exc.status == 404:
                     return False
+                if exc.status in REFUSED_STATUSES:
+                    raise SpecRefused(
+                        f"the API server refused the change to OffloadNode {name}: "
+                        f"{exc.status} {_server_message(exc)}"
+                    ) from exc
                 raise
             return True
         raise RuntimeError(f"OffloadNode {name} kept changing: gave up after {CONFLICT_RETRIES}")
+
+
+def _server_message(exc: Any) -> str:
+    """The Status message of a refused request (its body is JSON), else its reason."""
+    try:
+        return str(json.loads(exc.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return str(exc.reason)

@@ -16,17 +16,31 @@ Where the orphan's time starts:
 - without `orphanedSince` (an agent that does not publish it), when this operator first
   saw it an orphan.
 Times are compared across machines, as heartbeats are: the clocks must be synchronised.
+
+What is written is bounded: at most MAX_RECLAIMS requests pending per node (the CRD's
+maxItems), the oldest orphans first. An agent's answer closes only the request it answers
+(not an earlier one's, still in its status), and after an answer other than Done the file waits
+a doubling time before it is requested again (RetryWait; lost on restart, as the rest).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 
-from kvshm.api import InventoryFile, OffloadNode, ReclaimRequest, ReclaimResult
-from kvshm.api.reading import format_timestamp
+from kvshm.api import InventoryFile, OffloadNode, ReclaimOutcome, ReclaimRequest, ReclaimResult
+from kvshm.api.reading import MAX_RECLAIMS, format_timestamp
+from kvshm.operator.backoff import backoff_seconds
+
+# After an answer other than Done (the agent could not, or would not, remove the file), the
+# same file is requested again only after a wait that doubles with each such answer in a row.
+RECLAIM_RETRY_FIRST_SECONDS = 60.0
+RECLAIM_RETRY_MAX_SECONDS = 3600.0
+# An answer's time (the agent's clock) may read this much before its request's (the operator's)
+# and still answer it; an earlier request's answer is older by a retry wait at least.
+ANSWER_CLOCK_SKEW_SECONDS = 5.0
 
 
 class Refusal(StrEnum):
@@ -38,12 +52,30 @@ class Refusal(StrEnum):
 
 
 @dataclass(frozen=True)
+class RetryWait:
+    """A file whose reclaim the agent answered other than Done: not requested before `until`."""
+
+    failures: int  # such answers in a row
+    until: datetime
+    answer: ReclaimResult  # the last one (seen again while the spec catches up: not counted)
+
+    @classmethod
+    def after(cls, answer: ReclaimResult, previous: RetryWait | None, now: datetime) -> RetryWait:
+        if previous is not None and previous.answer == answer:
+            return previous
+        failures = (previous.failures if previous is not None else 0) + 1
+        wait = backoff_seconds(RECLAIM_RETRY_FIRST_SECONDS, failures - 1, RECLAIM_RETRY_MAX_SECONDS)
+        return cls(failures, now + timedelta(seconds=wait), answer)
+
+
+@dataclass(frozen=True)
 class OrphanClock:
     """Per-node memory between sweeps (lost on restart: see the module's docstring)."""
 
     since: Mapping[str, datetime] = field(default_factory=dict)  # path -> orphaned since
     refused: Mapping[str, Refusal] = field(default_factory=dict)  # path -> last refusal
     dry_run_reported: frozenset[str] = frozenset()  # paths already announced in dry-run
+    retry: Mapping[str, RetryWait] = field(default_factory=dict)  # path -> after a non-Done
 
 
 @dataclass(frozen=True)
@@ -76,6 +108,7 @@ class OrphanDecision:
     clock: OrphanClock
     orphans: tuple[InventoryFile, ...] = ()  # unclaimed and unheld right now
     requests: tuple[DueReclaim, ...] = ()  # to write into spec.reclaims now
+    deferred: tuple[DueReclaim, ...] = ()  # due, but spec.reclaims is full: a later sweep's
     would_reclaim: tuple[DueReclaim, ...] = ()  # dry run: announced, not requested
     withdrawals: tuple[Refused, ...] = ()  # pending requests that are no longer safe
     refusals: tuple[Refused, ...] = ()  # refusals that started with this sweep
@@ -119,6 +152,28 @@ def _orphaned_since(item: InventoryFile, clock: OrphanClock, now: datetime) -> d
     return item.orphaned_since or now
 
 
+def _answers(result: ReclaimResult, request: ReclaimRequest) -> bool:
+    """Whether result answers this request, not an earlier one of the same path (whose result
+    the agent's status can still show when a new request is written): the agent answers at
+    or after the request's time. Without either time, a result is taken as the answer."""
+    if result.time is None or request.requested_at is None:
+        return True
+    return result.time >= request.requested_at - timedelta(seconds=ANSWER_CLOCK_SKEW_SECONDS)
+
+
+def _retry_after(
+    results: Iterable[ReclaimResult], known: Mapping[str, RetryWait], now: datetime
+) -> dict[str, RetryWait]:
+    """The waits after this sweep's answers: one more failure for each answer but Done."""
+    retry = dict(known)
+    for result in results:
+        if result.outcome is ReclaimOutcome.DONE:
+            retry.pop(result.path, None)
+        else:
+            retry[result.path] = RetryWait.after(result, known.get(result.path), now)
+    return retry
+
+
 def decide_reclaims(
     node: OffloadNode,
     claimed_paths: Iterable[str],
@@ -135,8 +190,14 @@ def decide_reclaims(
     claims is in use again)."""
     claimed = frozenset(claimed_paths)
     live = frozenset(live_paths)
-    pending = {request.path for request in node.reclaims}
-    answered = {result.path: result for result in node.status.reclaims}
+    requested = {request.path: request for request in node.reclaims}
+    pending = requested.keys()
+    answered = {
+        result.path: result
+        for result in node.status.reclaims
+        if result.path in requested and _answers(result, requested[result.path])
+    }
+    retry = _retry_after(answered.values(), clock.retry, now)
     since: dict[str, datetime] = {}
     refused: dict[str, Refusal] = {}
     orphans, requests, would, withdrawals, refusals = [], [], [], [], []
@@ -163,6 +224,8 @@ def decide_reclaims(
         since[item.path] = started
         if item.path in pending:
             continue
+        if item.path in retry and now < retry[item.path].until:
+            continue  # the agent did not remove it the last time: wait before asking again
         waited = max(0.0, (now - started).total_seconds())
         if waited < grace_seconds:
             refused[item.path] = Refusal.GRACE
@@ -184,14 +247,25 @@ def decide_reclaims(
         else:
             requests.append(request)
 
+    closed = {w.path for w in withdrawals} | answered.keys()
+    room = max(0, MAX_RECLAIMS - len(pending - closed))
+    orphan_paths = {item.path for item in orphans}
+    # the oldest orphans first; the CRD refuses a longer list (and the whole write with it)
+    requests.sort(key=lambda due: (due.orphaned_since, due.path))
     return OrphanDecision(
-        clock=OrphanClock(since, refused, frozenset(reported)),
+        clock=OrphanClock(
+            since,
+            refused,
+            frozenset(reported),
+            {path: wait for path, wait in retry.items() if path in orphan_paths},
+        ),
         orphans=tuple(orphans),
-        requests=tuple(requests),
+        requests=tuple(requests[:room]),
+        deferred=tuple(requests[room:]),
         would_reclaim=tuple(would),
         withdrawals=tuple(withdrawals),
         refusals=tuple(refusals),
-        results=tuple(answered[path] for path in sorted(pending & answered.keys())),
+        results=tuple(answered[path] for path in sorted(answered)),
         forget_retained=tuple(
             sorted(
                 path

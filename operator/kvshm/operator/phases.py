@@ -214,9 +214,8 @@ def status_patch(
         "conditions": merge_conditions(
             current.get("conditions"), derived.conditions, derived.observed_generation, now
         ),
+        "sizeBytes": derived.size_bytes,  # None (an invalid spec has no size): null, removed
     }
-    if derived.size_bytes is not None:
-        wanted["sizeBytes"] = derived.size_bytes
     patch = {key: value for key, value in wanted.items() if current.get(key) != value}
     if derived.gone_nodes:
         patch["nodes"] = dict.fromkeys(derived.gone_nodes)

@@ -54,10 +54,16 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
     )
     on.delete(*REGION, registry=registry, id="release")(instrumented("delete")(handlers.release))
 
-    # OffloadNode: gone nodes and orphan reclaim.
-    kopf.timer(*OFFLOAD_NODE, interval=config.node_sweep_seconds, registry=registry, id="sweep")(
-        instrumented("node_sweep")(handlers.sweep_node)
-    )
+    # OffloadNode: gone nodes and orphan reclaim. A sweep that fails is retried one interval
+    # later (kopf's default backoff is 60 s), and never given up on.
+    kopf.timer(
+        *OFFLOAD_NODE,
+        interval=config.node_sweep_seconds,
+        errors=kopf.ErrorsMode.TEMPORARY,
+        backoff=config.node_sweep_seconds,
+        registry=registry,
+        id="sweep",
+    )(instrumented("node_sweep")(handlers.sweep_node))
     on.event(*OFFLOAD_NODE, registry=registry, id="offload_node_changed")(
         handlers.offload_node_changed
     )
