@@ -21,7 +21,7 @@ from datetime import UTC, datetime, timedelta
 
 from kvshm.agent.errors import describe
 from kvshm.agent.holders import HoldChecker
-from kvshm.agent.regionfiles import describe_unsafe, find_region_files, is_held
+from kvshm.agent.regionfiles import describe_unsafe, files_of, find_region_files, is_held
 from kvshm.agent.saferoot import RegionDir, RegionRoot
 from kvshm.api import InvalidAddressError, InventoryFile, NodeInventory, RegionAddress
 from kvshm.api.reading import MAX_INVENTORY_FILES, whole_seconds
@@ -60,12 +60,17 @@ class InventoryScanner:
         for path, moment in since.items():
             self._orphaned_since.setdefault(path, moment)
 
-    def scan(self, claimed_by: ClaimLookup) -> RootScan:
+    def scan(self, claimed_by: ClaimLookup, looked_up: Collection[str] = ()) -> RootScan:
+        """looked_up: paths (<namespace>/<name>/<file>) whose regions are looked up by name
+        as well as listed: a directory's listing is bounded (RegionDir.region_files), and the
+        operator forgets a retained file it is not shown, so a tenant's junk must not hide it."""
         capacity, free = self._root.filesystem_bytes()
         files: list[InventoryFile] = []
         problems: list[str] = []
+        wanted = _instances_by_directory(looked_up)
         for region_dir in self._root.walk(problems.append):
-            files.extend(self._scan_dir(region_dir, claimed_by, problems))
+            wanted_here = wanted.get((region_dir.namespace, region_dir.name), set())
+            files.extend(self._scan_dir(region_dir, claimed_by, problems, wanted_here))
         files = self._track_orphans(files)
         inventory = NodeInventory(capacity, free, self._reserve, tuple(files))
         return RootScan(self._root.path, inventory, tuple(problems))
@@ -86,13 +91,24 @@ class InventoryScanner:
         return tracked
 
     def _scan_dir(
-        self, region_dir: RegionDir, claimed_by: ClaimLookup, problems: list[str]
+        self,
+        region_dir: RegionDir,
+        claimed_by: ClaimLookup,
+        problems: list[str],
+        wanted: Collection[str] = (),
     ) -> list[InventoryFile]:
         """One entry per region (all its files), named by its file 0, or by its first file
-        when file 0 is gone."""
+        when file 0 is gone; the regions of the `wanted` instance ids looked up by name
+        where the bounded listing left them out."""
         found = []
         now = time.time()
         file_sets, unsafe = find_region_files(region_dir)
+        listed = {file_set.instance_id for file_set in file_sets}
+        for instance_id in sorted(set(wanted) - listed):
+            file_set, unsafe_of_id = files_of(region_dir, instance_id)
+            file_sets.extend([file_set] if file_set is not None else [])
+            seen = {entry.name for entry in unsafe}
+            unsafe.extend(entry for entry in unsafe_of_id if entry.name not in seen)
         problems.extend(describe_unsafe(region_dir, entry) for entry in unsafe)
         for file_set in file_sets:
             path = region_dir.file_path(file_set.first_name)
@@ -119,6 +135,18 @@ class InventoryScanner:
                 )
             )
         return found
+
+
+def _instances_by_directory(paths: Iterable[str]) -> dict[tuple[str, str], set[str]]:
+    """(namespace, name) -> instance ids of the region file paths among `paths` (others are
+    no region's file, and are not looked up)."""
+    wanted: dict[tuple[str, str], set[str]] = {}
+    for path in paths:
+        parsed = RegionAddress.from_relative_path(path)
+        if parsed is not None:
+            address, _ = parsed
+            wanted.setdefault((address.namespace, address.name), set()).add(address.instance_id)
+    return wanted
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,9 @@ class NodeReconciler:
         self._holds.refresh()
         desired = view.placed_here()
         given_up = self._forget(view, desired)
-        scan = self._inventory.scan(lambda address: self._claimant(view, address))
+        scan = self._inventory.scan(
+            lambda address: self._claimant(view, address), view.listed_first
+        )
         self._release_unwanted(view, desired)
         self._drain_leftovers(view, desired, scan.inventory.files)
         self._report_given_up(view, given_up)

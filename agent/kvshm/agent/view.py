@@ -25,6 +25,9 @@ class ClusterView:
     invalid: Mapping[str, str] = field(default_factory=dict)  # key -> why its spec was refused
     reclaims: Sequence[ReclaimRequest] = ()
     problems: Sequence[str] = ()  # source-level trouble (an unreadable file, a lost watch)
+    # paths the operator decides from whether the inventory lists them (this node's
+    # spec.retained and spec.reclaims): looked up by name, not only listed (InventoryScanner)
+    listed_first: frozenset[str] = frozenset()
 
     def placed_here(self) -> dict[str, OffloadRegion]:
         """The regions this node must hold: placed here and not being deleted."""

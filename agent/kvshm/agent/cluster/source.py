@@ -118,6 +118,7 @@ class ClusterSource:
             invalid,
             parse_reclaims(self._nodes.items().get(self.node_name)),
             tuple(problems),
+            self.listed_first(),
         )
 
     def listed_first(self) -> frozenset[str]:
