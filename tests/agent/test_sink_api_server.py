@@ -4,6 +4,7 @@ pruning, and read back by the operator as written."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
@@ -175,3 +176,40 @@ def test_every_field_of_the_inventory_survives_the_crd_and_reads_back(
     assert read == written
     assert read.files[0].orphaned_since == first_seen.replace(microsecond=0)
     assert stored["status"]["conditions"][0]["type"] == "RootSafe"
+
+
+def test_an_unchanged_inventory_is_not_sent_again_before_the_heartbeat_is_due(
+    envtest: EnvTest, chart_accounts: ChartAccounts, envtest_admin: kubernetes.client.ApiClient
+) -> None:
+    """Each pass builds the conditions afresh, their transition times at the pass's second: the
+    status must be compared with them kept from the last one sent, or every pass writes the
+    OffloadNode (an API write per node per pass, for nothing)."""
+    errors: list[ErrorReason] = []
+    sink = ClusterSink(
+        envtest.api_client(chart_accounts.token("agent")),
+        NodeName("steady-node"),
+        "test",
+        count_error=errors.append,
+        heartbeat_seconds=3600,
+    )
+    sink.ensure_node()
+    custom = kubernetes.client.CustomObjectsApi(envtest_admin)
+
+    def version() -> str:
+        stored = custom.get_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, "steady-node")
+        return str(stored["metadata"]["resourceVersion"])
+
+    claimed = InventoryFile("ns/r1/vllm_offload_r1.mmap", 65536, "ns/r1", True, 12)
+
+    def publish(*files: InventoryFile) -> None:
+        inventory = NodeInventory(1 << 30, 1 << 29, 1 << 20, files)
+        sink.publish(PassResult(root_scan=RootScan("/dev/shm/kvshm", inventory, ("a FIFO",))))
+
+    publish(claimed)
+    sent = version()
+    time.sleep(1.1)  # the next pass's conditions are made a second later
+    publish(claimed)
+    assert version() == sent
+    publish(claimed, InventoryFile("ns/r2/vllm_offload_r2.mmap", 4096, "ns/r2", False, 1))
+    assert version() != sent
+    assert errors == []

@@ -122,19 +122,19 @@ class ClusterSink:
             self._root_condition(result.root_scan.problems),
             _inventory_condition(published, len(result.root_scan.inventory.files)),
         ]
+        last = self._node_status
+        if last is not None:
+            # a condition's transition time moves only when its status does (and before the
+            # comparison: made afresh each pass, it would make every pass look like a change)
+            self._keep_transition_time(status["conditions"], last.get("conditions") or [])
         steady = {k: v for k, v in status.items() if k not in _VOLATILE}
         steady["files"] = [
             {k: v for k, v in f.items() if k != "ageSeconds"} for f in status["files"]
         ]
-        last = self._node_status
         due = time.monotonic() - self._node_status_at >= self._heartbeat_seconds
         if last is not None and last == steady and not due:
             return
         status["heartbeat"] = format_timestamp(datetime.now(UTC))
-        if last is not None:
-            # a condition's transition time moves only when its status does
-            self._keep_transition_time(status["conditions"], last.get("conditions") or [])
-            steady["conditions"] = status["conditions"]
         try:
             self._patch_node_status(status)
         except ApiException as exc:
