@@ -144,3 +144,54 @@ def test_cli_refuses_a_hub_id_saying_how_to_fetch_the_config(
     code, out, err = _layout(capsys, "meta-llama/Llama-3.1-8B", "--id", "x", "--cpu-gib", "1")
     assert code == 2 and not out
     assert "never downloads" in err and "huggingface-cli download meta-llama/Llama-3.1-8B" in err
+
+
+LLAMA_8B = json.loads((MODELS / "llama-3.1-8b" / "config.json").read_text())
+QWEN_SLIDING = {
+    **json.loads((MODELS / "qwen2.5-7b" / "config.json").read_text()),
+    "use_sliding_window": True,
+}
+
+
+def _layout_of(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, config: dict[str, Any], *args: str
+) -> tuple[int, str, str]:
+    """`kvshm layout` of a config.json written to tmp_path."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return _layout(capsys, str(tmp_path), "--id", "m", *args)
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ({**QWEN_SLIDING, "num_hidden_layers": "32"},
+         "num_hidden_layers must be a positive integer, got '32'"),
+        ({**QWEN_SLIDING, "max_window_layers": "x"},
+         "max_window_layers must be an integer of at least 0, got 'x'"),
+        ({**LLAMA_8B, "layer_types": [["full_attention"]]},
+         "layer_types must be a list of strings, one layer kind per layer"),
+        ({**LLAMA_8B, "layer_types": ["sliding_attention", 1]},
+         "layer_types must be a list of strings, one layer kind per layer"),
+        ({**LLAMA_8B, "layer_types": "full_attention"}, "layer_types must be a list of strings"),
+        ({**LLAMA_8B, "num_attention_heads": 32, "hidden_size": 16},
+         "hidden_size 16 // num_attention_heads 32 gives a head_dim of 0"),
+        ({**LLAMA_8B, "head_dim": "128"}, "head_dim must be an integer of at least 0, got '128'"),
+        ({**LLAMA_8B, "head_dim": True}, "head_dim must be an integer of at least 0, got True"),
+        ({**QWEN_SLIDING, "use_sliding_window": "false"},
+         "use_sliding_window must be true or false, got 'false'"),
+        ({**QWEN_SLIDING, "sliding_window": [4096]}, "sliding_window must be an integer"),
+        ({**LLAMA_8B, "attention_chunk_size": "8192"}, "attention_chunk_size must be an integer"),
+        ({**LLAMA_8B, "is_heterogeneous": "no"}, "is_heterogeneous must be true or false"),
+        ({**LLAMA_8B, "model_type": ["llama"]}, "model_type must be a string, got ['llama']"),
+        ({**LLAMA_8B, "torch_dtype": 16}, "torch_dtype must be a string"),
+        ({**LLAMA_8B, "quantization_config": ["kv_cache"]},
+         "quantization_config must be an object"),
+    ],
+)  # fmt: skip
+def test_cli_refuses_a_malformed_config_naming_the_key_and_value(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, config: dict[str, Any], says: str
+) -> None:
+    code, out, err = _layout_of(capsys, tmp_path, config, "--cpu-gib", "8")
+    assert code == 2 and not out
+    assert err.startswith("kvshm layout: ") and says in err
+    assert len(err.splitlines()) == 1  # one line, no traceback

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvshm.sizing.errors import UnsupportedModelError
+from kvshm.sizing.errors import UnsupportedModelError, quoted, require_int
 
 # vLLM's --kv-cache-dtype values whose cache is a plain array of one element size, and the
 # element size; spellings people also use map onto vLLM's names.
@@ -122,11 +122,36 @@ def load_config(source: str) -> dict[str, Any]:
     return config
 
 
-def _positive_int(config: dict[str, Any], key: str, where: str) -> int:
+def _config_int(config: dict[str, Any], key: str, where: str, *, minimum: int = 1) -> int:
+    return require_int(
+        config.get(key), f"{where}: {key}", minimum=minimum, error=UnsupportedModelError
+    )
+
+
+def _optional_int(config: dict[str, Any], key: str, where: str) -> int | None:
+    """A key that is absent, null, or a count (0 included)."""
+    return None if config.get(key) is None else _config_int(config, key, where, minimum=0)
+
+
+def _optional(config: dict[str, Any], key: str, kind: type, expected: str, where: str) -> Any:
+    """A key that is absent, null, or of JSON type `kind` (str, bool or dict)."""
     value = config.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UnsupportedModelError(f"{where}: {key} must be a positive integer, got {value!r}")
+    if value is not None and not isinstance(value, kind):
+        raise UnsupportedModelError(f"{where}: {key} must be {expected}, got {quoted(value)}")
     return value
+
+
+def _layer_kinds(config: dict[str, Any], where: str) -> set[str]:
+    """The kinds of layer layer_types names (none when config.json does not give it)."""
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        return set()
+    if not isinstance(layer_types, list) or not all(isinstance(kind, str) for kind in layer_types):
+        raise UnsupportedModelError(
+            f"{where}: layer_types must be a list of strings, one layer kind per layer (e.g. "
+            f'"full_attention"), got {quoted(layer_types)}'
+        )
+    return set(layer_types)
 
 
 def _refuse_non_uniform(config: dict[str, Any], model_type: str, where: str) -> None:
@@ -138,7 +163,9 @@ def _refuse_non_uniform(config: dict[str, Any], model_type: str, where: str) -> 
             f"{where}: model type {model_type!r} has state-space or linear-attention layers "
             f"(Mamba-style state, not KV blocks): kvshm cannot size its offload region"
         )
-    if config.get("is_heterogeneous") or "block_configs" in config:
+    if _optional(config, "is_heterogeneous", bool, "true or false", where) or (
+        "block_configs" in config
+    ):
         raise UnsupportedModelError(
             f"{where}: layers differ from each other (block_configs): not sized by kvshm"
         )
@@ -146,7 +173,7 @@ def _refuse_non_uniform(config: dict[str, Any], model_type: str, where: str) -> 
         raise UnsupportedModelError(
             f"{where}: a multimodal config (text_config): pass the language model's own config.json"
         )
-    if config.get("attention_chunk_size"):
+    if _optional_int(config, "attention_chunk_size", where):
         raise UnsupportedModelError(
             f"{where}: chunked local attention layers mixed with full ones (a hybrid): not "
             f"sized by kvshm"
@@ -155,25 +182,24 @@ def _refuse_non_uniform(config: dict[str, Any], model_type: str, where: str) -> 
     # only models whose every layer vLLM runs as full attention are sized. vLLM 0.33 reads a
     # model's sliding layers from layer_types (Qwen2 derives them from use_sliding_window);
     # Mistral-7B-v0.1's bare sliding_window is run as full attention.
-    layer_types = config.get("layer_types")
-    if isinstance(layer_types, list) and set(layer_types) - {"full_attention"}:
+    layer_kinds = _layer_kinds(config, where)
+    if layer_kinds - {"full_attention"}:
         raise UnsupportedModelError(
-            f"{where}: layers of kinds {sorted(set(layer_types))} (sliding-window or linear "
+            f"{where}: layers of kinds {sorted(layer_kinds)} (sliding-window or linear "
             f"attention): vLLM sizes those blocks per attention backend; kvshm sizes only "
             f"full-attention models"
         )
-    sliding_from = config.get("max_window_layers") or 0
-    if (
-        config.get("sliding_window")
-        and config.get("use_sliding_window")
-        and sliding_from < config.get("num_hidden_layers", 0)
-    ):
-        raise UnsupportedModelError(
-            f"{where}: use_sliding_window slides layers {sliding_from} and up: vLLM sizes those "
-            f"blocks per attention backend; kvshm sizes only full-attention models"
-        )
+    sliding_window = _optional_int(config, "sliding_window", where)
+    use_sliding_window = _optional(config, "use_sliding_window", bool, "true or false", where)
+    if sliding_window and use_sliding_window:
+        sliding_from = _optional_int(config, "max_window_layers", where) or 0
+        if sliding_from < _config_int(config, "num_hidden_layers", where):
+            raise UnsupportedModelError(
+                f"{where}: use_sliding_window slides layers {sliding_from} and up: vLLM sizes "
+                f"those blocks per attention backend; kvshm sizes only full-attention models"
+            )
     for key in ("sliding_window_pattern", "interleaved_sliding_window"):
-        if config.get("sliding_window") and key in config:
+        if sliding_window and key in config:
             raise UnsupportedModelError(
                 f"{where}: sliding window on some layers ({key}): a hybrid, not sized by kvshm"
             )
@@ -181,14 +207,15 @@ def _refuse_non_uniform(config: dict[str, Any], model_type: str, where: str) -> 
 
 def model_kv_shape(config: dict[str, Any], where: str = "config.json") -> ModelKVShape:
     """The KV-cache shape of a standard decoder (GQA/MQA/MHA) or a DeepSeek-style MLA model."""
-    model_type = str(config.get("model_type") or "")
+    model_type = _optional(config, "model_type", str, "a string", where)
     if not model_type:
         raise UnsupportedModelError(f"{where}: no model_type: is this a model's config.json?")
     _refuse_non_uniform(config, model_type, where)
-    num_layers = _positive_int(config, "num_hidden_layers", where)
-    dtype = config.get("torch_dtype") or config.get("dtype")
-    quantization = config.get("quantization_config") or {}
-    if isinstance(quantization, dict) and any("kv_cache" in key for key in quantization):
+    num_layers = _config_int(config, "num_hidden_layers", where)
+    dtype_key = "torch_dtype" if config.get("torch_dtype") else "dtype"
+    dtype = _optional(config, dtype_key, str, 'a string such as "bfloat16"', where) or None
+    quantization = _optional(config, "quantization_config", dict, "an object", where) or {}
+    if any("kv_cache" in key for key in quantization):
         dtype = "a quantized KV cache (quantization_config)"
     if config.get("kv_lora_rank") is not None:
         if model_type not in MLA_MODEL_TYPES:
@@ -197,16 +224,22 @@ def model_kv_shape(config: dict[str, Any], where: str = "config.json") -> ModelK
                 f"types: {', '.join(sorted(MLA_MODEL_TYPES))}; "
                 f"{', '.join(OTHER_MLA_TYPES)} keep extra caches or compress)"
             )
-        latent = _positive_int(config, "kv_lora_rank", where)
-        rope = _positive_int(config, "qk_rope_head_dim", where)
+        latent = _config_int(config, "kv_lora_rank", where)
+        rope = _config_int(config, "qk_rope_head_dim", where)
         return ModelKVShape(model_type, num_layers, 1, latent + rope, True, dtype)
-    heads = _positive_int(config, "num_attention_heads", where)
-    kv_heads = config.get("num_key_value_heads")
-    kv_heads = heads if kv_heads is None else _positive_int(config, "num_key_value_heads", where)
-    head_dim = config.get("head_dim")
-    if head_dim is None or head_dim == 0:
-        hidden = _positive_int(config, "hidden_size", where)
+    heads = _config_int(config, "num_attention_heads", where)
+    kv_heads = heads
+    if config.get("num_key_value_heads") is not None:
+        kv_heads = _config_int(config, "num_key_value_heads", where)
+    # head_dim absent, null or 0 means hidden_size // num_attention_heads, as vLLM derives it
+    head_dim = _optional_int(config, "head_dim", where)
+    if not head_dim:
+        hidden = _config_int(config, "hidden_size", where)
         head_dim = hidden // heads
-    else:
-        head_dim = _positive_int(config, "head_dim", where)
+        if head_dim < 1:
+            raise UnsupportedModelError(
+                f"{where}: hidden_size {hidden} // num_attention_heads {heads} gives a head_dim "
+                f"of 0: hidden_size must be at least num_attention_heads, or config.json must "
+                f"give head_dim"
+            )
     return ModelKVShape(model_type, num_layers, kv_heads, head_dim, False, dtype)
