@@ -7,9 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import kubernetes
 import pytest
 import yaml
 
+from kvshm.api import GROUP, REGION_PLURAL, VERSION, parse_offload_region
 from kvshm.cli import main
 from kvshm.sizing import (
     Parallelism,
@@ -195,3 +197,65 @@ def test_cli_refuses_a_malformed_config_naming_the_key_and_value(
     assert code == 2 and not out
     assert err.startswith("kvshm layout: ") and says in err
     assert len(err.splitlines()) == 1  # one line, no traceback
+
+
+@pytest.mark.parametrize("gib", ["inf", "-inf", "nan", "0", "-1", "lots"])
+def test_cli_refuses_cpu_gib_that_is_not_finite_and_positive(
+    capsys: pytest.CaptureFixture[str], gib: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _layout(capsys, str(MODELS / "llama-3.1-8b"), "--id", "m", f"--cpu-gib={gib}")
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert f"argument --cpu-gib: {gib!r} is not a finite number of GiB above 0" in err
+
+
+LARGEST_LLAMA_8B_REGION = (2**63 - 1) // (32 * 2 * 8 * 128 * 16 * 2) * (32 * 2 * 8 * 128 * 16 * 2)
+
+
+@pytest.mark.parametrize("budget", [["--cpu-bytes", str(10**30)], ["--cpu-gib", "1e300"]])
+def test_cli_refuses_more_bytes_than_a_region_can_hold_saying_the_largest(
+    capsys: pytest.CaptureFixture[str], budget: list[str]
+) -> None:
+    code, out, err = _layout(capsys, str(MODELS / "llama-3.1-8b"), "--id", "m", *budget)
+    assert code == 2 and not out and len(err.splitlines()) == 1
+    assert f"the largest that fits is {LARGEST_LLAMA_8B_REGION} bytes" in err
+
+
+def test_cli_prints_the_largest_region_that_fits_and_the_agent_reads_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = str(MODELS / "llama-3.1-8b")
+    code, out, err = _layout(
+        capsys, model, "--id", "m", "--cpu-bytes", str(LARGEST_LLAMA_8B_REGION)
+    )
+    assert code == 0, err
+    [document] = yaml.safe_load_all(out)
+    assert parse_offload_region(document).size_bytes == LARGEST_LLAMA_8B_REGION
+    code, out, err = _layout(
+        capsys, model, "--id", "m", "--cpu-bytes", str(LARGEST_LLAMA_8B_REGION + 2**21)
+    )
+    assert code == 2 and "the largest that fits" in err
+
+
+def test_the_api_server_accepts_the_largest_region_it_prints(
+    capsys: pytest.CaptureFixture[str], envtest_admin: Any, envtest_namespace: str
+) -> None:
+    model = str(MODELS / "llama-3.1-8b")
+    budget = ["--cpu-bytes", str(LARGEST_LLAMA_8B_REGION)]
+    code, out, err = _layout(capsys, model, "--id", "m", *budget, "--namespace", envtest_namespace)
+    assert code == 0, err
+    [document] = yaml.safe_load_all(out)
+    created = kubernetes.client.CustomObjectsApi(envtest_admin).create_namespaced_custom_object(
+        GROUP, VERSION, envtest_namespace, REGION_PLURAL, document
+    )
+    assert created["spec"]["layout"]["numBlocks"] == document["spec"]["layout"]["numBlocks"]
+
+
+def test_cli_refuses_a_chunk_larger_than_any_region(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = {**LLAMA_8B, "num_hidden_layers": 10**15}
+    code, out, err = _layout_of(capsys, tmp_path, config, "--cpu-bytes", str(10**30))
+    assert code == 2 and not out and len(err.splitlines()) == 1
+    assert "more than a region can hold (9223372036854775807 bytes)" in err

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from fractions import Fraction
 
 import yaml
 
@@ -26,6 +28,18 @@ def _label(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _gib(text: str) -> Fraction:
+    """--cpu-gib: a finite number above 0, kept exact (1e300 GiB is too many bytes for a
+    float, and the planner says how many fit)."""
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = math.nan
+    if not math.isfinite(gib) or gib <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of GiB above 0")
+    return Fraction(gib)
+
+
 def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model", help="the model's config.json, or a directory holding it (never downloaded)"
@@ -38,7 +52,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     )
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--cpu-bytes", type=int, help="CPU bytes for each engine's region")
-    size.add_argument("--cpu-gib", type=float, help="the same in GiB (2^30 bytes)")
+    size.add_argument("--cpu-gib", type=_gib, help="the same in GiB (2^30 bytes)")
     parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     parser.add_argument("--data-parallel-size", "--dp", type=int, default=1)
     parser.add_argument(

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvshm.region.layout import RegionLayout
-from kvshm.sizing.errors import SizingError
+from kvshm.region.errors import InvalidLayoutError
+from kvshm.region.layout import MAX_REGION_BYTES, RegionLayout
+from kvshm.sizing.errors import SizingError, quoted, require_int
 from kvshm.sizing.model import ModelKVShape, normalise_kv_cache_dtype
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's --block-size default for CUDA attention backends
@@ -22,9 +23,7 @@ class Parallelism:
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SizingError(f"{name} must be a positive integer, got {value!r}")
+            require_int(getattr(self, name), name)
 
 
 @dataclass(frozen=True)
@@ -68,23 +67,40 @@ def plan_offload(
     kv_cache_dtype: str = "auto",
 ) -> OffloadPlan:
     """The layout vLLM 0.33 computes for this model, given cpu_bytes per engine."""
-    for name, value in (("block_size", block_size), ("blocks_per_chunk", blocks_per_chunk)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise SizingError(f"{name} must be a positive integer, got {value!r}")
+    require_int(block_size, "block_size")
+    require_int(blocks_per_chunk, "blocks_per_chunk")
+    require_int(cpu_bytes, "cpu_bytes")
     tp = parallelism.tensor_parallel_size
     worker_block = shape.worker_bytes_per_block(tp, block_size, kv_cache_dtype)
     # vLLM keeps one copy of MLA's latent when every TP worker holds the same bytes
     replicated = shape.mla and tp > 1
     copies = 1 if replicated else tp
+    chunk = (
+        f"one chunk ({blocks_per_chunk} block(s) of {block_size} tokens on {copies} worker cell(s))"
+    )
     cpu_page_size = worker_block * blocks_per_chunk
-    # the padded row of the region format vLLM 0.33 reads (one row is enough to ask)
-    row_stride = RegionLayout(1, cpu_page_size, tp, replicated=replicated).row_stride
+    try:
+        # the padded row of the region format vLLM 0.33 reads (one row is enough to ask)
+        row_stride = RegionLayout(1, cpu_page_size, tp, replicated=replicated).row_stride
+    except InvalidLayoutError:
+        raise SizingError(
+            f"{chunk} takes {cpu_page_size * copies} bytes, more than a region can hold "
+            f"({MAX_REGION_BYTES} bytes): check the model's layer and head counts, or use fewer "
+            f"blocks per chunk or a smaller block size"
+        ) from None
     num_blocks = cpu_bytes // row_stride
     if num_blocks < 1:
+        raise SizingError(f"{cpu_bytes} CPU bytes hold no chunk: {chunk} takes {row_stride} bytes")
+    try:
+        # what the OffloadRegion's layout becomes: the agent and the CRD refuse what this does
+        RegionLayout(num_blocks, cpu_page_size, tp, replicated=replicated)
+    except InvalidLayoutError:
+        largest = MAX_REGION_BYTES // row_stride * row_stride
         raise SizingError(
-            f"{cpu_bytes} CPU bytes hold no chunk: one chunk ({blocks_per_chunk} block(s) of "
-            f"{block_size} tokens on {copies} worker cell(s)) takes {row_stride} bytes"
-        )
+            f"{quoted(cpu_bytes)} CPU bytes is more than one region can hold: the largest that "
+            f"fits is {largest} bytes ({largest // 2**30} GiB, {largest // row_stride} chunks of "
+            f"{row_stride} bytes): ask for at most that"
+        ) from None
     ids = (
         [engine_id]
         if parallelism.data_parallel_size == 1
