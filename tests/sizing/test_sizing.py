@@ -259,3 +259,20 @@ def test_cli_refuses_a_chunk_larger_than_any_region(
     code, out, err = _layout_of(capsys, tmp_path, config, "--cpu-bytes", str(10**30))
     assert code == 2 and not out and len(err.splitlines()) == 1
     assert "more than a region can hold (9223372036854775807 bytes)" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--tp", "2048"], "spec.layout.numWorkers is 2048; at most 1024 are allowed"),
+        (["--uid", "-1"], "spec.access uid/gid must be in [0, 2147483647]"),
+        (["--node-selector", "a/b/c=d"], "nodeSelector keys must be label keys"),
+    ],
+)
+def test_cli_never_prints_an_offload_region_the_agent_refuses(
+    capsys: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    model = str(MODELS / "llama-3.1-8b")
+    code, out, err = _layout(capsys, model, "--id", "m", "--cpu-gib", "1", *args)
+    assert code == 2 and not out
+    assert "the OffloadRegion would be refused" in err and says in err

@@ -8,6 +8,7 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
+from kvshm.api.resources import SpecError, parse_offload_region
 from kvshm.region.naming import validate_instance_id
 from kvshm.sizing.errors import SizingError
 from kvshm.sizing.plan import OffloadPlan
@@ -66,7 +67,8 @@ def offload_regions(
     uid: int | None = None,
     gid: int | None = None,
 ) -> list[dict[str, Any]]:
-    """One OffloadRegion per data-parallel engine, named <name> or <name>-dp<rank>."""
+    """One OffloadRegion per data-parallel engine, named <name> or <name>-dp<rank>, each one the
+    agent and the CRD accept (else SizingError)."""
     documents = []
     many = len(plan.regions) > 1
     for rank, region in enumerate(plan.regions):
@@ -87,9 +89,17 @@ def offload_regions(
             spec["placement"] = {"nodeSelector": dict(node_selector)}
         if uid is not None or gid is not None:
             spec["access"] = {"uid": uid or 0, "gid": gid or 0, "mode": 0o600}
-        documents.append(
-            {"apiVersion": API_VERSION, "kind": "OffloadRegion", "metadata": metadata, "spec": spec}
-        )
+        document = {
+            "apiVersion": API_VERSION,
+            "kind": "OffloadRegion",
+            "metadata": metadata,
+            "spec": spec,
+        }
+        try:  # the agent's and the operator's own reading, with the CRD's bounds
+            parse_offload_region(document)
+        except SpecError as exc:
+            raise SizingError(f"the OffloadRegion would be refused: {exc}") from None
+        documents.append(document)
     return documents
 
 
