@@ -218,7 +218,9 @@ def test_a_region_of_another_geometry_is_refused_naming_both(engine: Engine) -> 
             f"vLLM computed a CPU offload region of {NUM_CHUNKS} rows x {CPU_PAGE} bytes",
             f"keeps in 1 file (vllm_offload_{engine.engine_id}.mmap)",
             f"{path} is {2 * NUM_CHUNKS * CPU_PAGE} bytes where vLLM expects "
-            f"{NUM_CHUNKS * CPU_PAGE} ({2 * NUM_CHUNKS} rows",
+            f"{NUM_CHUNKS * CPU_PAGE}; in all, {SHM} holds 1 file of the region "
+            f"(vllm_offload_{engine.engine_id}.mmap): {2 * NUM_CHUNKS * CPU_PAGE} bytes, "
+            f"{2 * NUM_CHUNKS} rows of {CPU_PAGE} bytes.",
             f"OffloadRegion with instanceId {engine.engine_id!r}",
             f"format: vllm-0.33, numBlocks: {NUM_CHUNKS}, cpuPageSize: {CPU_PAGE}, "
             "numWorkers: 1, replicated: false",
