@@ -283,7 +283,7 @@ def test_replicated_layout_every_rank_uses_the_one_copy(engine: Engine) -> None:
         Path(path).unlink(missing_ok=True)
 
 
-SECONDS = "kvshm_attach_timeout_s must be a number of seconds >= 0, got "
+SECONDS = "kvshm_attach_timeout_s must be a finite number of seconds >= 0, got "
 CACHE_DIR = "kvshm_cache_dir must be an absolute path, got "
 
 
@@ -301,6 +301,9 @@ CACHE_DIR = "kvshm_cache_dir must be an absolute path, got "
         ({"kvshm_attach_timeout_s": True}, SECONDS + "True"),
         ({"kvshm_attach_timeout_s": -1}, SECONDS + "-1"),
         ({"kvshm_attach_timeout_s": "nan"}, SECONDS + "'nan'"),
+        # would wait forever for a region that is not there
+        ({"kvshm_attach_timeout_s": "inf"}, SECONDS + "'inf'"),
+        ({"kvshm_attach_timeout_s": float("inf")}, SECONDS + "inf"),
         (
             {"kvshm_backend": "fastest"},
             "must be one of auto, copy-engines, dma, kernel, staged, strided, cpu",
