@@ -3,6 +3,7 @@ range, populated per file, checked and removed as one region. Sparse files keep 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import stat
@@ -16,9 +17,11 @@ from kvshm.region import (
     RegionFileMissingError,
     RegionFormat,
     RegionLayout,
+    RegionResizedError,
     RegionSizeMismatchError,
     SharedOffloadRegion,
     UnsafePathError,
+    memory,
 )
 from kvshm.region.errors import RegionFileExistsError
 from kvshm.region.populate import (
@@ -44,6 +47,15 @@ def open_region(
 ) -> SharedOffloadRegion:
     kwargs.setdefault("populate", False)
     return SharedOffloadRegion("seg", layout, directory=str(directory), **kwargs)  # type: ignore[arg-type]
+
+
+def open_paths() -> list[str]:
+    """What this process's descriptors are open on."""
+    paths = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return paths
 
 
 def _leave_region(directory: Path) -> None:
@@ -134,6 +146,30 @@ def test_an_attacher_refuses_a_later_file_of_another_size_and_never_truncates(
     with pytest.raises(RegionSizeMismatchError, match="is 4096 bytes but the layout needs"):
         open_region(shm_dir, mode=OpenMode.CREATE_OR_ATTACH)
     assert (shm_dir / "vllm_offload_seg.mmap.1").stat().st_size == 4096
+
+
+def test_a_later_file_truncated_just_before_it_is_mapped_is_refused_and_unmapped(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each file of a segmented region is mapped with a raw MAP_FIXED mmap, which maps a file
+    shorter than the length asked without a word: a file its owner truncates after the size
+    check must still be refused, not left to SIGBUS the first store."""
+    _leave_region(shm_dir)
+    last = shm_dir / "vllm_offload_seg.mmap.1"
+    real_map_file_at = memory.map_file_at
+
+    def truncated_first(address: int, length: int, fd: int) -> None:
+        if os.fstat(fd).st_ino == last.stat().st_ino:
+            os.truncate(last, 4096)  # the owner's other process, between check and mmap
+        real_map_file_at(address, length, fd)
+
+    monkeypatch.setattr(memory, "map_file_at", truncated_first)
+    with pytest.raises(RegionResizedError, match=r"mmap\.1 changed size while it was being mapped"):
+        open_region(shm_dir, mode=OpenMode.ATTACH)
+    maps = Path("/proc/self/maps").read_text()
+    assert "vllm_offload_seg.mmap" not in maps  # every file unmapped again
+    assert not [path for path in open_paths() if path.startswith(str(shm_dir))]
+    assert last.stat().st_size == 4096  # left as it was
 
 
 def test_an_attacher_refuses_a_symlink_for_a_later_file(shm_dir: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import stat
@@ -143,6 +144,30 @@ def test_attach_only_never_creates_and_times_out_clearly(shm_dir: Path) -> None:
     with pytest.raises(RegionAttachTimeout, match=r"did not appear in time.*instanceId 'test'"):
         open_region(shm_dir, rank=0, mode="attach", attach_timeout=0.05)
     assert list(shm_dir.iterdir()) == []
+
+
+def test_attach_timing_out_on_a_region_locked_for_removal_says_so(shm_dir: Path) -> None:
+    """The agent holds file 0 exclusively while it removes the region: an attacher that times
+    out meanwhile is told the file was locked, and what to check."""
+    with open_region(shm_dir) as creator:
+        creator.keep_file()
+    fd = os.open(shm_dir / "vllm_offload_test.mmap", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the agent, removing the region
+        with pytest.raises(RegionAttachTimeout) as caught:
+            open_region(shm_dir, rank=0, mode="attach", attach_timeout=0.05)
+    finally:
+        os.close(fd)
+    message = str(caught.value)
+    for part in (
+        "vllm_offload_test.mmap was still locked exclusively (flock) when the attach timeout "
+        "ran out",
+        "locks it so while it removes the region",
+        "instanceId 'test' is placed on this node and Ready",
+        "/proc/locks",
+    ):
+        assert part in message, message
+    assert "replaced in time" not in message
 
 
 def test_attach_waits_for_the_creator_to_size_the_file(shm_dir: Path) -> None:

@@ -218,7 +218,9 @@ def test_a_region_of_another_geometry_is_refused_naming_both(engine: Engine) -> 
             f"vLLM computed a CPU offload region of {NUM_CHUNKS} rows x {CPU_PAGE} bytes",
             f"keeps in 1 file (vllm_offload_{engine.engine_id}.mmap)",
             f"{path} is {2 * NUM_CHUNKS * CPU_PAGE} bytes where vLLM expects "
-            f"{NUM_CHUNKS * CPU_PAGE} ({2 * NUM_CHUNKS} rows",
+            f"{NUM_CHUNKS * CPU_PAGE}; in all, {SHM} holds 1 file of the region "
+            f"(vllm_offload_{engine.engine_id}.mmap): {2 * NUM_CHUNKS * CPU_PAGE} bytes, "
+            f"{2 * NUM_CHUNKS} rows of {CPU_PAGE} bytes.",
             f"OffloadRegion with instanceId {engine.engine_id!r}",
             f"format: vllm-0.33, numBlocks: {NUM_CHUNKS}, cpuPageSize: {CPU_PAGE}, "
             "numWorkers: 1, replicated: false",
@@ -281,7 +283,7 @@ def test_replicated_layout_every_rank_uses_the_one_copy(engine: Engine) -> None:
         Path(path).unlink(missing_ok=True)
 
 
-SECONDS = "kvshm_attach_timeout_s must be a number of seconds >= 0, got "
+SECONDS = "kvshm_attach_timeout_s must be a finite number of seconds >= 0, got "
 CACHE_DIR = "kvshm_cache_dir must be an absolute path, got "
 
 
@@ -299,6 +301,9 @@ CACHE_DIR = "kvshm_cache_dir must be an absolute path, got "
         ({"kvshm_attach_timeout_s": True}, SECONDS + "True"),
         ({"kvshm_attach_timeout_s": -1}, SECONDS + "-1"),
         ({"kvshm_attach_timeout_s": "nan"}, SECONDS + "'nan'"),
+        # would wait forever for a region that is not there
+        ({"kvshm_attach_timeout_s": "inf"}, SECONDS + "'inf'"),
+        ({"kvshm_attach_timeout_s": float("inf")}, SECONDS + "inf"),
         (
             {"kvshm_backend": "fastest"},
             "must be one of auto, copy-engines, dma, kernel, staged, strided, cpu",

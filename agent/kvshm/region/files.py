@@ -101,26 +101,49 @@ class RegionFiles:
                 self.fds[0] = safefile.open_existing(self._dir_fd, name, self.first_path)
             except FileNotFoundError:
                 # attach: not created yet; create_or_attach: the creator gave up and removed it
-                self._sleep_or_timeout(deadline, poll_interval, "did not appear")
+                self._sleep_or_timeout(deadline, poll_interval, "did not appear in time")
                 continue
-            if self._hold_shared() and safefile.is_same_file(self._dir_fd, name, self.first_fd):
+            held = self._hold_shared()
+            if held and safefile.is_same_file(self._dir_fd, name, self.first_fd):
                 self._wait_for_size(deadline, poll_interval)
                 self._open_other_files()
                 return
-            # the file was removed or replaced while we opened it: start over
+            # locked for removal, or removed or replaced while we opened it: start over
             os.close(self.first_fd)
             self.fds[0] = -1
-            self._sleep_or_timeout(deadline, poll_interval, "was being replaced")
+            if held:
+                what = "was replaced while being opened until the attach timeout ran out"
+                self._sleep_or_timeout(deadline, poll_interval, what)
+            else:
+                what = "was still locked exclusively (flock) when the attach timeout ran out"
+                self._sleep_or_timeout(deadline, poll_interval, what, self._lock_advice())
 
-    def _sleep_or_timeout(self, deadline: float, poll_interval: float, what: str) -> None:
+    def _sleep_or_timeout(
+        self, deadline: float, poll_interval: float, what: str, advice: str | None = None
+    ) -> None:
+        """Sleep a poll interval, or raise RegionAttachTimeout: file 0 `what`, and `advice`
+        (by default: where the agent's region should be)."""
         if time.monotonic() >= deadline:
             raise RegionAttachTimeout(
-                f"region file {self.first_path} {what} in time. If the kvshm agent provides it, "
-                f"check that an OffloadRegion with instanceId {self.instance_id!r} is placed on "
-                f"this node and Ready (kubectl get offloadregions), and that its directory is "
-                f"mounted at {self.directory}."
+                f"region file {self.first_path} {what}. {advice or self._placement_advice()}"
             )
         time.sleep(poll_interval)
+
+    def _placement_advice(self) -> str:
+        return (
+            f"If the kvshm agent provides it, check that an OffloadRegion with instanceId "
+            f"{self.instance_id!r} is placed on this node and Ready (kubectl get "
+            f"offloadregions), and that its directory is mounted at {self.directory}."
+        )
+
+    def _lock_advice(self) -> str:
+        return (
+            f"The kvshm agent locks it so while it removes the region (its OffloadRegion "
+            f"deleted or no longer placed on this node). Check that an OffloadRegion with "
+            f"instanceId {self.instance_id!r} is placed on this node and Ready (kubectl get "
+            f"offloadregions) and start again; if it is, another process holds the lock "
+            f"(/proc/locks names its pid)."
+        )
 
     def _hold_shared(self) -> bool:
         """Take a shared flock on file 0: attached processes are visible to the agent."""
@@ -157,7 +180,9 @@ class RegionFiles:
                 return
             if actual != 0:
                 raise RegionSizeMismatchError(self.first_path, actual, expected)
-            self._sleep_or_timeout(deadline, poll_interval, f"did not reach {expected} bytes")
+            self._sleep_or_timeout(
+                deadline, poll_interval, f"did not reach {expected} bytes in time"
+            )
 
     def _open_other_files(self) -> None:
         """File 0 has its size, so its creator has made every other file: open and check them."""

@@ -43,7 +43,8 @@ class PopulateOutOfSpace(OSError):
     """A page could not be allocated; errno and offset say which."""
 
     def __init__(self, err: int, offset: int) -> None:
-        super().__init__(err, f"{os.strerror(err)} at offset {offset}")
+        self.reason = os.strerror(err)
+        super().__init__(err, f"{self.reason} at offset {offset}")
         self.offset = offset
 
 

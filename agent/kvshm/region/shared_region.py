@@ -149,12 +149,16 @@ class SharedOffloadRegion:
                 self._check_sizes("while it was being mapped")
                 raise
             self.address = memory.mapping_address(self._mapping)
-            return
-        # the reservation is replaced at once: MAP_NORESERVE keeps it out of the commit charge
-        self._mapping = mmap.mmap(-1, size, mmap.MAP_PRIVATE | memory.MAP_NORESERVE, prot)
-        self.address = memory.mapping_address(self._mapping)
-        for file, fd in zip(self.files, self._fds, strict=True):
-            memory.map_file_at(self.address + file.offset, file.length, fd)
+        else:
+            # the reservation is replaced at once: MAP_NORESERVE keeps it out of the commit
+            # charge
+            self._mapping = mmap.mmap(-1, size, mmap.MAP_PRIVATE | memory.MAP_NORESERVE, prot)
+            self.address = memory.mapping_address(self._mapping)
+            for file, fd in zip(self.files, self._fds, strict=True):
+                memory.map_file_at(self.address + file.offset, file.length, fd)
+        # mmap maps a file that shrank since the check above without a word (the missing pages
+        # SIGBUS when touched); cleanup() unmaps the whole range if this refuses it
+        self._check_sizes("while it was being mapped")
 
     def _check_sizes(self, when: str) -> None:
         """Raise RegionResizedError if any file no longer has its layout's length."""
@@ -193,13 +197,16 @@ class SharedOffloadRegion:
         """Whether the filesystem holds every page of the files (so no access can SIGBUS)."""
         return self.allocated_bytes() >= self.layout.size_bytes
 
-    def populate(self) -> None:
-        """Allocate and map this process's part of the region: its rank's cells, or all."""
-        size = self.layout.size_bytes
+    def own_ranges(self) -> list[tuple[int, int]]:
+        """(offset, length) of this process's part of the region: its rank's cells widened to
+        pages, or the whole region without a rank."""
         if self.rank is None:
-            ranges = [(0, size)]
-        else:
-            ranges = self.layout.rank_ranges(self.rank, memory.PAGE_SIZE)
+            return [(0, self.layout.size_bytes)]
+        return self.layout.rank_ranges(self.rank, memory.PAGE_SIZE)
+
+    def populate(self) -> None:
+        """Allocate and map this process's part of the region (own_ranges)."""
+        ranges = self.own_ranges()
         populator = Populator(
             self.address,
             self.mapped_files(),
@@ -217,11 +224,12 @@ class SharedOffloadRegion:
         except PopulateOutOfSpace as exc:
             # a page past a file's end faults like a full tmpfs: say which it was
             self._check_sizes("while it was being populated")
+            part = "" if self.rank is None else f" worker {self.rank}'s cells"
             raise RegionSpaceError(
                 self.mmap_path,
-                size,
+                sum(length for _, length in ranges),
                 safefile.free_bytes(self._fd),
-                f"{exc.strerror} while populating at offset {exc.offset}"
+                f"{exc.reason} while populating{part} at offset {exc.offset}"
                 + ("; the partial file was removed" if self._will_unlink() else ""),
             ) from exc
         self.populate_seconds = time.monotonic() - started

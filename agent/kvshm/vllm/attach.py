@@ -6,22 +6,39 @@ kvshm.region's API is a change here only.
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
+import time
 
 from kvshm.region import (
     RegionError,
     RegionFileMissingError,
+    RegionResizedError,
     RegionSizeMismatchError,
+    RegionSpaceError,
     SharedOffloadRegion,
+    safefile,
     segment_file_name,
 )
 from kvshm.region.naming import MAX_SEGMENT_INDEX
 from kvshm.region.shared_region import OpenMode
 from kvshm.vllm.geometry import RegionGeometry
 
+log = logging.getLogger(__name__)
+
 
 class RegionGeometryMismatch(RegionError):
     """The agent's region does not have the geometry vLLM computed for this engine."""
+
+
+class RegionCellsOutOfSpace(RegionError):
+    """A region not fully allocated (populate: false) whose tmpfs has no room left for this
+    worker's cells."""
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _mismatch(instance_id: str, expected: RegionGeometry, found: str) -> str:
@@ -29,23 +46,66 @@ def _mismatch(instance_id: str, expected: RegionGeometry, found: str) -> str:
     names = ", ".join(f.name for f in layout.files(instance_id))
     return (
         f"vLLM computed a CPU offload region of {expected.describe()} for engine "
-        f"{instance_id!r}, which vLLM 0.33 keeps in {layout.file_count} file"
-        f"{'' if layout.file_count == 1 else 's'} ({names}), but {found}. The OffloadRegion "
-        f"with instanceId {instance_id!r} must have {expected.offload_region_layout()} (see "
-        f"'kvshm layout'), or change cpu_bytes_to_use/blocks_per_chunk in "
-        f"kv_connector_extra_config to match the region."
+        f"{instance_id!r}, which vLLM 0.33 keeps in {_plural(layout.file_count, 'file')} "
+        f"({names}), but {found}. The OffloadRegion with instanceId {instance_id!r} must have "
+        f"{expected.offload_region_layout()} (see 'kvshm layout'), or change "
+        f"cpu_bytes_to_use/blocks_per_chunk in kv_connector_extra_config to match the region."
     )
 
 
-def _found(exc: RegionSizeMismatchError, expected: RegionGeometry) -> str:
+def _found(exc: RegionSizeMismatchError) -> str:
     if isinstance(exc, RegionFileMissingError):
-        return f"the kvshm region file {exc.path} is missing (the region has fewer files)"
-    rows, rest = divmod(exc.actual_bytes, expected.row_stride)
+        return f"the kvshm region file {exc.path} is missing"
     return (
         f"the kvshm region file {exc.path} is {exc.actual_bytes} bytes where vLLM expects "
         f"{exc.expected_bytes}"
-        + (f" ({rows} rows of {expected.row_stride} bytes)" if not rest else "")
     )
+
+
+def _on_disk(directory: str, instance_id: str, expected: RegionGeometry) -> str:
+    """What the directory holds under the region's file names, from lstat alone (relative to a
+    descriptor of the directory; nothing is opened): file count, total bytes and rows."""
+    try:
+        dir_fd = safefile.open_directory(directory)
+    except OSError as exc:
+        return f"{directory} could not be listed ({exc.strerror})"
+    sizes: list[int] = []
+    names: list[str] = []
+    oddities: list[str] = []
+    try:
+        for segment in range(MAX_SEGMENT_INDEX + 1):
+            name = segment_file_name(instance_id, segment)
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                sizes.append(st.st_size)
+                names.append(name if segment == 0 else f".mmap.{segment}")
+            else:
+                oddities.append(f"{name} is {safefile.describe_file_type(st.st_mode)}")
+    finally:
+        os.close(dir_fd)
+    total = sum(sizes)
+    rows, rest = divmod(total, expected.row_stride)
+    summary = (
+        f"in all, {directory} holds {_plural(len(sizes), 'file')} of the region"
+        + (f" ({', '.join(names)})" if names else "")
+        + f": {total} bytes, "
+        + (
+            f"{_plural(rows, 'row')} of {expected.row_stride} bytes"
+            if not rest
+            else f"not a whole number of {expected.row_stride}-byte rows"
+        )
+    )
+    return "; ".join([summary, *oddities])
+
+
+def _geometry_mismatch(
+    directory: str, instance_id: str, expected: RegionGeometry, found: str
+) -> RegionGeometryMismatch:
+    on_disk = _on_disk(directory, instance_id, expected)
+    return RegionGeometryMismatch(_mismatch(instance_id, expected, f"{found}; {on_disk}"))
 
 
 def attach_region(
@@ -58,9 +118,11 @@ def attach_region(
     """Map the agent's region (its files in `directory`, split as vLLM 0.33 splits them) for
     worker `rank`.
 
-    Never creates, truncates, populates or removes a file; waits up to attach_timeout_s for the
-    region to appear. The returned region holds a shared flock on file 0 (the agent counts it
-    as a holder) until cleanup().
+    Never creates, truncates or removes a file; waits up to attach_timeout_s for the region to
+    appear. A region whose pages are not all allocated (populate: false) gets this worker's
+    cells allocated here, so a full tmpfs is an error now rather than a SIGBUS at the first
+    store. The returned region holds a shared flock on file 0 (the agent counts it as a holder)
+    until cleanup().
     """
     if expected.num_chunks < 1:
         raise RegionGeometryMismatch(
@@ -88,20 +150,46 @@ def attach_region(
             populate=False,
             unlink_on_cleanup=False,
         )
+    except RegionResizedError:
+        raise  # the right geometry, changed under us: its own message says so
     except RegionSizeMismatchError as exc:
-        found = _found(exc, expected)
-        raise RegionGeometryMismatch(_mismatch(instance_id, expected, found)) from exc
-    # a region of more files whose first ones happen to match is another geometry too
-    if layout.file_count <= MAX_SEGMENT_INDEX:
-        _refuse_extra_file(region, directory, instance_id, expected)
+        raise _geometry_mismatch(directory, instance_id, expected, _found(exc)) from exc
+    try:
+        # a region of more files whose first ones happen to match is another geometry too
+        if layout.file_count <= MAX_SEGMENT_INDEX:
+            extra = segment_file_name(instance_id, layout.file_count)
+            if os.path.lexists(os.path.join(directory, extra)):
+                found = f"the kvshm region has more files ({os.path.join(directory, extra)} too)"
+                raise _geometry_mismatch(directory, instance_id, expected, found)
+        if not region.is_fully_allocated():
+            _allocate_own_cells(region)
+    except BaseException:
+        region.cleanup()
+        raise
     return region
 
 
-def _refuse_extra_file(
-    region: SharedOffloadRegion, directory: str, instance_id: str, expected: RegionGeometry
-) -> None:
-    extra = os.path.join(directory, segment_file_name(instance_id, region.layout.file_count))
-    if os.path.lexists(extra):
-        region.cleanup()
-        found = f"the kvshm region has more files ({extra} too)"
-        raise RegionGeometryMismatch(_mismatch(instance_id, expected, found))
+def _allocate_own_cells(region: SharedOffloadRegion) -> None:
+    """Allocate this worker's cells of a sparse region (bounded: its own cells only), so that
+    a tmpfs something else filled is a clear error here, not a SIGBUS in vLLM's first store."""
+    own_bytes = sum(length for _, length in region.own_ranges())
+    started = time.monotonic()
+    try:
+        region.populate()
+    except RegionSpaceError as exc:
+        raise RegionCellsOutOfSpace(
+            f"{exc} The region is not fully allocated (an OffloadRegion with populate: false, "
+            f"or one the agent is still populating), so worker {region.rank} allocates its own "
+            f"{own_bytes} bytes of cells before vLLM uses them, and the tmpfs has no room left "
+            f"for them: something else filled it after the agent admitted the region. An "
+            f"OffloadRegion with populate: true (the default) has every page allocated before "
+            f"it is Ready."
+        ) from exc
+    log.info(
+        "kvshm: region %s was not fully allocated; allocated worker %d's %d bytes of cells in "
+        "%.2f s",
+        region.mmap_path,
+        region.rank,
+        own_bytes,
+        time.monotonic() - started,
+    )

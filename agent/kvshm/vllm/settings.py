@@ -55,9 +55,9 @@ def _seconds(value: object, key: str) -> float:
     if isinstance(value, (int, float, str)) and not isinstance(value, bool):
         with contextlib.suppress(ValueError):
             seconds = float(value)
-    if seconds >= 0:  # never NaN
+    if 0 <= seconds < math.inf:  # never NaN; "inf" would wait forever for a missing region
         return seconds
-    raise PluginConfigError(f"{key} must be a number of seconds >= 0, got {value!r}")
+    raise PluginConfigError(f"{key} must be a finite number of seconds >= 0, got {value!r}")
 
 
 def _refuse_unknown_keys(extra: Mapping[str, Any]) -> None:
