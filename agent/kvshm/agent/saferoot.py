@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from kvshm.agent.errors import describe
 from kvshm.agent.printable import printable
+from kvshm.agent.rootfs import require_tmpfs
 from kvshm.api import RegionAccess, region_key
 from kvshm.api.address import is_dns_label, is_dns_subdomain
 from kvshm.region import RegionFileName, UnsafePathError, parse_region_file_name
@@ -27,6 +29,7 @@ from kvshm.region.safefile import describe_file_type
 # Root and namespace directories: traversable but not listable, so a tenant who can reach one
 # cannot enumerate the other tenants' regions.
 SHARED_DIR_MODE = 0o711
+_LISTING_BITS = stat.S_IRGRP | stat.S_IROTH
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # A tenant can fill its directory with region-shaped names (10,001 empty files froze a node's
 # status: the OffloadNode patch outgrew the API server's request limit). Per directory and pass,
@@ -35,6 +38,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_DIR_ENTRIES = 4096
 MAX_REGION_FILES = 64
 ProblemCallback = Callable[[str], None]
+log = logging.getLogger(__name__)
 
 
 def _refused(path: str, what: str, hint: str) -> UnsafePathError:
@@ -87,6 +91,25 @@ def _check_agent_owned(fd: int, path: str) -> None:
             f"agent (uid {os.geteuid()}) only uses directories it owns that no one else can "
             f"write. chown it to uid {os.geteuid()} and chmod it 0711 (or remove it).",
         )
+
+
+def _exists_at(parent_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _hide_names(fd: int, path: str) -> None:
+    """Take away group's and others' read (listing) bits from a directory the agent owns, as
+    SHARED_DIR_MODE intends: a root the kubelet made (0755) or a tmpfs mounted without mode=0711
+    would show every host user the namespaces that have regions. Nothing else changes (a 0700
+    root stays 0700); tenants' pods mount their own region directory and never list the root."""
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    if mode & _LISTING_BITS:
+        os.fchmod(fd, mode & ~_LISTING_BITS)
+        log.info("%s was mode %#o: made it %#o", path, mode, mode & ~_LISTING_BITS)
 
 
 def set_owner_and_mode(fd: int, uid: int, gid: int, mode: int) -> None:
@@ -223,7 +246,8 @@ class RegionDir:
 
 
 class RegionRoot:
-    """The agent's region root: an open directory the agent owns, that only it can write."""
+    """The agent's region root: an open directory on a tmpfs, that the agent owns, that only
+    it can write and no one else can list."""
 
     def __init__(self, path: str, *, create: bool = True) -> None:
         self.path = os.path.abspath(path)
@@ -233,14 +257,19 @@ class RegionRoot:
         # the parent is the operator's own setting and trusted; the root itself may be planted
         parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            if create:
+            if create and not _exists_at(parent_fd, base):
+                # a root made on a disk (its tmpfs not mounted) would be refused below anyway:
+                # make nothing there
+                require_tmpfs(parent_fd, parent, self.path)
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(base, SHARED_DIR_MODE, dir_fd=parent_fd)
             self.fd = open_dir_at(parent_fd, base, self.path, None)
         finally:
             os.close(parent_fd)
         try:
+            require_tmpfs(self.fd, self.path, self.path)
             _check_agent_owned(self.fd, self.path)
+            _hide_names(self.fd, self.path)
         except BaseException:
             os.close(self.fd)
             raise
