@@ -11,6 +11,7 @@ import yaml
 
 from tests.agent.builders import local_agent, manifest
 from tests.charts.rendering import EXAMPLE_VALUES, find, pod_specs, render, values_id
+from tests.charts.tools import CHART, run, tool
 
 AGENT_DEFAULT_CAPS = {"IPC_LOCK", "CHOWN", "FOWNER", "DAC_OVERRIDE"}
 
@@ -211,6 +212,31 @@ def test_each_role_is_bound_to_its_own_service_account_only(component: str) -> N
     assert subject["name"] == account["metadata"]["name"]
     # no token in pods that did not ask for one
     assert account["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("component", ["agent", "operator"])
+@pytest.mark.parametrize("schema", [True, False], ids=["schema", "template"])
+def test_an_existing_service_account_must_be_named(component: str, schema: bool) -> None:
+    """create: false without a name would bind the ClusterRole to the namespace's "default"
+    ServiceAccount, which every pod there runs as: refused, by the schema and by the template
+    (for `--skip-schema-validation`), naming the value."""
+    args = [tool("helm"), "template", "kvshm", str(CHART)]
+    args += ["--set", f"{component}.serviceAccount.create=false"]
+    if not schema:
+        args.append("--skip-schema-validation")
+    result = run(*args)
+    assert result.returncode != 0, f"{component} would run as the namespace's default account"
+    assert f"{component}.serviceAccount.name" in result.stderr, result.stderr
+    named = run(*args, "--set", f"{component}.serviceAccount.name=existing")
+    assert named.returncode == 0, named.stderr
+    [binding] = [
+        doc
+        for doc in yaml.safe_load_all(named.stdout)
+        if doc
+        and doc["kind"] == "ClusterRoleBinding"
+        and doc["metadata"]["name"].endswith(component)
+    ]
+    assert binding["subjects"][0]["name"] == "existing"
 
 
 def test_rbac_can_be_left_to_the_cluster_admin() -> None:
