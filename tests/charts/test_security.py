@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+from kubernetes.utils import parse_quantity
 
 from tests.agent.builders import local_agent, manifest
 from tests.charts.rendering import EXAMPLE_VALUES, find, pod_specs, render, values_id
@@ -114,12 +115,46 @@ def test_gpu_example_places_agents_on_gpu_nodes_with_priority() -> None:
     assert spec["priorityClassName"] == "system-node-critical"
 
 
-def test_default_priority_class_is_created_for_the_agent() -> None:
-    objects = render()
+@pytest.mark.parametrize("values", EXAMPLE_VALUES, ids=values_id)
+def test_the_agent_is_never_evicted_by_the_kubelet_unless_asked(values: Path | None) -> None:
+    """Region pages are charged to the agent, so any evictable class makes it the kubelet's
+    first victim under memory pressure, and evicting it frees nothing: system-node-critical
+    (which the kubelet never evicts) by default and in the GPU example, with the ResourceQuota
+    some platforms require for it outside kube-system."""
+    objects = render(values)
+    _, spec = _agent(objects)
+    if values is not None and values.stem == "kind-values":
+        assert "priorityClassName" not in spec  # a test cluster: no class at all
+        assert not [o for o in objects if o["kind"] in ("PriorityClass", "ResourceQuota")]
+        return
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert not [o for o in objects if o["kind"] == "PriorityClass"]
+    quota = find(objects, "ResourceQuota")
+    assert quota["metadata"]["namespace"] == "kvshm-system"
+    assert quota["spec"]["scopeSelector"] == {
+        "matchExpressions": [
+            {"scopeName": "PriorityClass", "operator": "In", "values": ["system-node-critical"]}
+        ]
+    }
+    assert list(quota["spec"]["hard"]) == ["pods"]  # counts pods, asks nothing of their resources
+    # one agent per node, in clusters up to the 5000 nodes Kubernetes supports
+    assert parse_quantity(quota["spec"]["hard"]["pods"]) >= 5000
+
+
+def test_the_charts_own_priority_class_is_still_an_option() -> None:
+    objects = render(sets=("agent.priorityClass.create=true", 'agent.priorityClass.name=""'))
     _, spec = _agent(objects)
     priority = find(objects, "PriorityClass")
-    assert spec["priorityClassName"] == priority["metadata"]["name"]
-    assert priority["globalDefault"] is False
+    assert spec["priorityClassName"] == priority["metadata"]["name"] == "kvshm-agent"
+    assert priority["value"] == 1000000 and priority["globalDefault"] is False
+    assert not [o for o in objects if o["kind"] == "ResourceQuota"]
+
+
+def test_the_chart_does_not_try_to_create_a_reserved_system_class() -> None:
+    result = run(tool("helm"), "template", str(CHART), "--set", "agent.priorityClass.create=true")
+    assert result.returncode != 0
+    assert "Kubernetes reserves the system- prefix" in result.stderr, result.stderr
+    assert 'Set agent.priorityClass.name to ""' in result.stderr
 
 
 def test_operator_is_a_single_recreated_replica_with_kopf_liveness() -> None:
