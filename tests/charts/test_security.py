@@ -206,14 +206,59 @@ def test_agent_may_write_only_region_status_and_offload_nodes() -> None:
         ("kvshm.dev", "offloadregions/status", "patch"),
         ("kvshm.dev", "offloadnodes", "create"),
         ("kvshm.dev", "offloadnodes/status", "patch"),
-        ("", "events", "create"),
-        ("", "events", "patch"),
-        ("events.k8s.io", "events", "create"),
-        ("events.k8s.io", "events", "patch"),
+        ("", "events", "create"),  # POSTed to core/v1 only (agent/kvshm/agent/cluster/sink.py)
     }
     # reading: its regions, its OffloadNode, its node's labels
     assert ("", "nodes", "get") in _grants(role)
     assert ("", "nodes", "list") not in _grants(role)
+
+
+# What each component's code calls (agent: kvshm.agent.cluster; operator: kvshm.operator.kube and
+# kopf 1.45, which lists and watches objects whole, PATCHes them and their /status, and POSTs
+# core/v1 Events): exactly these grants. tests/operator/test_api_server.py,
+# tests/operator/test_with_agents.py and tests/agent/test_cluster_mode.py run both programs
+# with these roles against a real API server, so a missing grant fails them.
+EXACT_GRANTS = {
+    "agent": {
+        ("kvshm.dev", "offloadregions", "get"),
+        ("kvshm.dev", "offloadregions", "list"),
+        ("kvshm.dev", "offloadregions", "watch"),
+        ("kvshm.dev", "offloadregions/status", "patch"),
+        ("kvshm.dev", "offloadnodes", "get"),
+        ("kvshm.dev", "offloadnodes", "list"),
+        ("kvshm.dev", "offloadnodes", "watch"),
+        ("kvshm.dev", "offloadnodes", "create"),
+        ("kvshm.dev", "offloadnodes/status", "patch"),
+        ("", "nodes", "get"),
+        ("", "events", "create"),
+    },
+    "operator": {
+        ("kvshm.dev", "offloadregions", "get"),
+        ("kvshm.dev", "offloadregions", "list"),
+        ("kvshm.dev", "offloadregions", "watch"),
+        ("kvshm.dev", "offloadregions", "patch"),
+        ("kvshm.dev", "offloadregions/status", "patch"),
+        ("kvshm.dev", "offloadnodes", "get"),
+        ("kvshm.dev", "offloadnodes", "list"),
+        ("kvshm.dev", "offloadnodes", "watch"),
+        ("kvshm.dev", "offloadnodes", "patch"),
+        ("kvshm.dev", "offloadnodes", "delete"),
+        ("", "nodes", "get"),
+        ("", "nodes", "list"),
+        ("", "nodes", "watch"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+        ("", "namespaces", "list"),
+        ("", "namespaces", "watch"),
+        ("", "events", "create"),
+    },
+}
+
+
+@pytest.mark.parametrize("component", sorted(EXACT_GRANTS))
+def test_each_role_grants_exactly_what_its_code_calls(component: str) -> None:
+    role = find(render(), "ClusterRole", f"-{component}")
+    assert _grants(role) == EXACT_GRANTS[component]
 
 
 def test_operator_may_not_write_status_of_nodes_or_create_them() -> None:
