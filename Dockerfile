@@ -15,15 +15,20 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/kvshm
 WORKDIR /src
-# only what the wheel is built from: the image does not change with tests or docs
+# only what the wheel is built from (.dockerignore keeps the rest out of the context): the image
+# does not change with tests or docs
 COPY pyproject.toml README.md ./
+COPY constraints/runtime.txt ./constraints/runtime.txt
 COPY agent ./agent
 COPY operator ./operator
-# the agent and operator extras only (kubernetes, kopf, prometheus-client): no torch
-RUN /opt/kvshm/bin/pip install --no-compile ".[agent,operator]" \
+# the agent and operator extras only (kubernetes, kopf, prometheus-client): no torch; at the
+# versions the tests ran (constraints/runtime.txt), not whatever is newest at build time. Then
+# pip and setuptools leave the venv: nothing in the image installs anything.
+RUN /opt/kvshm/bin/pip install --no-compile --constraint constraints/runtime.txt ".[agent,operator]" \
     && /opt/kvshm/bin/python -c "import kvshm.agent.cli, kvshm.operator.main" \
     && if /opt/kvshm/bin/python -c "import torch" 2>/dev/null; then \
          echo "torch must not be in the agent/operator image" >&2; exit 1; fi \
+    && /opt/kvshm/bin/python -m pip uninstall --yes pip setuptools \
     && /opt/kvshm/bin/python -m compileall -q /opt/kvshm/lib
 
 FROM python:3.11.13-slim-bookworm
@@ -40,8 +45,9 @@ ENV PATH=/opt/kvshm/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 # Non-root by default (the operator and `helm test` run so); the agent's DaemonSet runs it as
-# root with every capability dropped but IPC_LOCK/CHOWN/FOWNER, because it creates region files
-# for other users under a root-owned hostPath.
+# root with every capability dropped but IPC_LOCK/CHOWN/FOWNER/DAC_OVERRIDE, because it creates
+# region files for other users under a root-owned hostPath and reaches them inside their owners'
+# 0700 directories.
 USER 65532:65532
 WORKDIR /tmp
 EXPOSE 9464 9465 8080

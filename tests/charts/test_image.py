@@ -1,16 +1,26 @@
 """The Dockerfile (the agent/operator image the chart runs): hadolint-clean with the repository's
-config, pinned base, non-root default user, OCI labels, and no torch in what it installs."""
+config, pinned base, non-root default user, OCI labels, no torch in what it installs, the tested
+versions of its dependencies, and a build context without the local environment."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import tomllib
+from importlib import metadata
 from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests.charts.tools import REPO, run, tool
 
 DOCKERFILE = REPO / "Dockerfile"
 CONFIG = REPO / ".hadolint.yaml"
+CONSTRAINTS = REPO / "constraints" / "runtime.txt"
+DOCKERIGNORE = REPO / ".dockerignore"
+IMAGE_EXTRAS = ("agent", "operator")
 
 
 def _hadolint(path: Path) -> tuple[int, str]:
@@ -82,3 +92,118 @@ def test_image_installs_agent_and_operator_extras_without_torch() -> None:
         names |= _requirements(extra, extras["optional-dependencies"])
     assert not {n for n in names if n.startswith(("torch", "nvidia", "triton"))}
     assert "sidecar" not in installed.group(1)
+
+
+def _installed_closure(requirements: list[Requirement]) -> dict[str, str]:
+    """name -> installed version of these requirements and everything they pull in, as pip
+    resolves them here (markers evaluated for this interpreter, extras followed)."""
+    versions: dict[str, str] = {}
+    seen: set[tuple[str, frozenset[str]]] = set()
+    pending = list(requirements)
+    while pending:
+        requirement = pending.pop()
+        name = canonicalize_name(requirement.name)
+        key = (name, frozenset(requirement.extras))
+        if key in seen:
+            continue
+        seen.add(key)
+        distribution = metadata.distribution(name)
+        versions[name] = distribution.version
+        for line in distribution.requires or ():
+            dependency = Requirement(line)
+            extras = ["", *requirement.extras]
+            if dependency.marker is None or any(
+                dependency.marker.evaluate({"extra": extra}) for extra in extras
+            ):
+                pending.append(dependency)
+    return versions
+
+
+def _image_requirements() -> list[Requirement]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    lines = list(project["dependencies"])
+    for extra in IMAGE_EXTRAS:
+        lines += project["optional-dependencies"][extra]
+    return [Requirement(line) for line in lines]
+
+
+def test_constraints_are_the_tested_versions_of_the_runtime_dependencies_only() -> None:
+    """constraints/runtime.txt pins exactly what the image installs, at the versions installed
+    here (where the tests ran): no test or sidecar package, none missing, none stale."""
+    tested = _installed_closure(_image_requirements())
+    wanted = [f"{name}=={version}" for name, version in sorted(tested.items())]
+    pinned = [
+        line.strip()
+        for line in CONSTRAINTS.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert pinned == wanted, "constraints/runtime.txt should list:\n" + "\n".join(wanted)
+
+
+def test_the_build_installs_with_the_constraints() -> None:
+    build = "\n".join(_stages()[0])
+    relative = CONSTRAINTS.relative_to(REPO).as_posix()
+    assert re.search(rf"^COPY {re.escape(relative)} ", build, re.MULTILINE), build
+    assert re.search(rf'pip install [^"]*--constraint {re.escape(relative)} "\.\[', build), build
+
+
+def test_the_runtime_venv_keeps_no_installer() -> None:
+    """pip and setuptools (which `python -m venv` puts into the venv) are not in the final
+    image: nothing runs them there, and they are code an attacker could use."""
+    build = "\n".join(_stages()[0])
+    assert re.search(r"/opt/kvshm/bin/python -m pip uninstall --yes pip setuptools", build)
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore leaves `path` (relative, '/'-separated) out of the build context:
+    the last matching pattern wins, '!' re-includes, a pattern matches a path or its parents."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        glob = pattern.removeprefix("!").strip("/")
+        globs = [glob.removeprefix("**/")] if glob.startswith("**/") else [glob]
+        matches = any(
+            fnmatch.fnmatchcase(candidate, g)
+            or (glob.startswith("**/") and fnmatch.fnmatchcase(candidate.rsplit("/", 1)[-1], g))
+            for candidate in candidates
+            for g in globs
+        )
+        if matches:
+            ignored = not negate
+    return ignored
+
+
+def _dockerignore() -> list[str]:
+    lines = DOCKERIGNORE.read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".venv",
+        ".tools/bin/helm",
+        ".git",
+        "agent/kvshm/__pycache__/x.pyc",
+        ".mypy_cache",
+        ".ruff_cache",
+        ".pytest_cache",
+        "bench/results/run.json",
+    ],
+)
+def test_the_build_context_leaves_out_the_local_environment(path: str) -> None:
+    assert _ignored(path, _dockerignore()), path
+
+
+def test_the_build_context_keeps_everything_the_dockerfile_copies() -> None:
+    sources = [
+        source
+        for line in DOCKERFILE.read_text().splitlines()
+        if line.startswith("COPY ") and "--from=" not in line
+        for source in line.split()[1:-1]
+    ]
+    assert "agent" in sources and "operator" in sources
+    kept = [*sources, "agent/kvshm/agent/cli.py", "operator/kvshm/operator/main.py"]
+    assert [path for path in kept if _ignored(path, _dockerignore())] == []

@@ -240,3 +240,54 @@ def test_the_chart_refuses_kubernetes_older_than_the_tested_1_28() -> None:
         assert (result.returncode == 0) == accepted, (version, result.stderr)
         if not accepted:
             assert "incompatible with Kubernetes v1.27.16" in result.stderr, result.stderr
+
+
+def test_the_agents_priority_quota_covers_the_agents_pods_and_nothing_else(
+    envtest_admin: kubernetes.client.ApiClient, envtest_namespace: str
+) -> None:
+    """The ResourceQuota rendered with the agent's system-node-critical class, in a real API
+    server: an agent pod (the DaemonSet's template, as its controller would create it) is
+    admitted and counted by it (a full quota refuses it, which is what makes the quota satisfy
+    platforms that require one for that class), while other pods never count against it."""
+    rendered = render_chart(envtest_namespace)
+    for manifest in rendered:
+        if manifest["kind"] in ("ServiceAccount", "ResourceQuota"):
+            apply(envtest_admin, manifest)
+    [quota] = [m for m in rendered if m["kind"] == "ResourceQuota"]
+    daemonset = find(tuple(rendered), "DaemonSet", "-agent")
+    agent_pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"generateName": "agent-", **daemonset["spec"]["template"]["metadata"]},
+        "spec": {**daemonset["spec"]["template"]["spec"], "nodeName": "gpu-node-1"},
+    }
+    other_pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"generateName": "other-"},
+        "spec": {
+            # an account that exists (the server has no controller to make "default")
+            "serviceAccountName": daemonset["spec"]["template"]["spec"]["serviceAccountName"],
+            "containers": [{"name": "c", "image": "registry.example.com/other:1"}],
+        },
+    }
+    core = kubernetes.client.CoreV1Api(envtest_admin)
+    name, hard = quota["metadata"]["name"], quota["spec"]["hard"]["pods"]
+
+    def quota_used(pods: str) -> None:  # what the quota controller (absent here) would write
+        core.patch_namespaced_resource_quota_status(
+            name, envtest_namespace, {"status": {"hard": {"pods": hard}, "used": {"pods": pods}}}
+        )
+
+    def create(pod: dict[str, Any]) -> kubernetes.client.V1Pod:
+        return core.create_namespaced_pod(envtest_namespace, pod, dry_run="All")
+
+    quota_used("0")
+    admitted = create(agent_pod)
+    assert admitted.spec.priority_class_name == "system-node-critical"
+    assert admitted.spec.priority >= 2_000_000_000  # the kubelet never evicts such pods
+    quota_used(hard)
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        create(agent_pod)
+    assert refused.value.status == 403 and "exceeded quota" in str(refused.value.body)
+    assert create(other_pod).spec.priority in (None, 0)  # a full quota leaves other pods alone

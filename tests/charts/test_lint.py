@@ -37,6 +37,14 @@ def test_there_is_an_example_for_gpu_and_for_kind_clusters() -> None:
         ("monitoring.prometheusRule.regionFailedFor=5 minutes", "regionFailedFor"),
         ("monitoring.prometheusRule.rootFreeRatio=2", "rootFreeRatio"),
         ("image.pullPolicy=Sometimes", "pullPolicy"),
+        # values the API server would refuse (or the agent would): caught before install
+        ("agent.updateStrategy.maxUnavailable=0%", "maxUnavailable"),  # must be positive
+        ("regionRoot=/dev/shm/../kvshm", "regionRoot"),  # no '..' in a hostPath
+        ("regionRoot=/dev/shm/./kvshm", "regionRoot"),
+        ("nameOverride=KVSHM", "nameOverride"),  # object names are DNS labels
+        ("fullnameOverride=kv_shm", "fullnameOverride"),
+        ("agent.resources.requests.memory=1.2.3", "agent.resources.requests.memory"),
+        ("operator.resources.limits.cpu=2 cores", "operator.resources.limits.cpu"),
     ],
 )
 def test_values_schema_rejects_bad_values_naming_them(bad: str, complaint: str) -> None:
@@ -44,6 +52,42 @@ def test_values_schema_rejects_bad_values_naming_them(bad: str, complaint: str) 
     assert result.returncode != 0, f"--set {bad} was accepted"
     assert "values don't meet the specifications of the schema" in result.stderr
     assert complaint in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("bad", "complaint"),
+    [
+        # one Service port twice
+        (
+            "operator.healthPort=9465",
+            "operator.healthPort and operator.metricsPort are both 9465",
+        ),
+        # mode 1777: the agent refuses a root that others can write
+        ("regionRoot=/dev/shm", "Use a directory of its own below it, e.g. /dev/shm/kvshm"),
+        ("regionRoot=/dev/shm/", "Use a directory of its own below it, e.g. /dev/shm/kvshm"),
+    ],
+)
+def test_chart_refuses_values_the_schema_cannot_express_saying_what_to_do(
+    bad: str, complaint: str
+) -> None:
+    result = run(tool("helm"), "template", str(CHART), "--set", bad)
+    assert result.returncode != 0, f"--set {bad} was accepted"
+    assert complaint in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "good",
+    [
+        "regionRoot=/mnt/.kvshm",  # dots inside a name are fine
+        "agent.updateStrategy.maxUnavailable=10%",
+        "agent.resources.requests.memory=1e9",
+        "agent.resources.requests.cpu=0.5",
+        "operator.healthPort=8081",
+    ],
+)
+def test_valid_values_stay_accepted(good: str) -> None:
+    result = run(tool("helm"), "template", str(CHART), "--set", good)
+    assert result.returncode == 0, result.stderr
 
 
 def test_every_value_is_described_by_the_schema() -> None:

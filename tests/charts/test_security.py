@@ -8,9 +8,11 @@ from typing import Any
 
 import pytest
 import yaml
+from kubernetes.utils import parse_quantity
 
 from tests.agent.builders import local_agent, manifest
 from tests.charts.rendering import EXAMPLE_VALUES, find, pod_specs, render, values_id
+from tests.charts.tools import CHART, run, tool
 
 AGENT_DEFAULT_CAPS = {"IPC_LOCK", "CHOWN", "FOWNER", "DAC_OVERRIDE"}
 
@@ -113,12 +115,46 @@ def test_gpu_example_places_agents_on_gpu_nodes_with_priority() -> None:
     assert spec["priorityClassName"] == "system-node-critical"
 
 
-def test_default_priority_class_is_created_for_the_agent() -> None:
-    objects = render()
+@pytest.mark.parametrize("values", EXAMPLE_VALUES, ids=values_id)
+def test_the_agent_is_never_evicted_by_the_kubelet_unless_asked(values: Path | None) -> None:
+    """Region pages are charged to the agent, so any evictable class makes it the kubelet's
+    first victim under memory pressure, and evicting it frees nothing: system-node-critical
+    (which the kubelet never evicts) by default and in the GPU example, with the ResourceQuota
+    some platforms require for it outside kube-system."""
+    objects = render(values)
+    _, spec = _agent(objects)
+    if values is not None and values.stem == "kind-values":
+        assert "priorityClassName" not in spec  # a test cluster: no class at all
+        assert not [o for o in objects if o["kind"] in ("PriorityClass", "ResourceQuota")]
+        return
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert not [o for o in objects if o["kind"] == "PriorityClass"]
+    quota = find(objects, "ResourceQuota")
+    assert quota["metadata"]["namespace"] == "kvshm-system"
+    assert quota["spec"]["scopeSelector"] == {
+        "matchExpressions": [
+            {"scopeName": "PriorityClass", "operator": "In", "values": ["system-node-critical"]}
+        ]
+    }
+    assert list(quota["spec"]["hard"]) == ["pods"]  # counts pods, asks nothing of their resources
+    # one agent per node, in clusters up to the 5000 nodes Kubernetes supports
+    assert parse_quantity(quota["spec"]["hard"]["pods"]) >= 5000
+
+
+def test_the_charts_own_priority_class_is_still_an_option() -> None:
+    objects = render(sets=("agent.priorityClass.create=true", 'agent.priorityClass.name=""'))
     _, spec = _agent(objects)
     priority = find(objects, "PriorityClass")
-    assert spec["priorityClassName"] == priority["metadata"]["name"]
-    assert priority["globalDefault"] is False
+    assert spec["priorityClassName"] == priority["metadata"]["name"] == "kvshm-agent"
+    assert priority["value"] == 1000000 and priority["globalDefault"] is False
+    assert not [o for o in objects if o["kind"] == "ResourceQuota"]
+
+
+def test_the_chart_does_not_try_to_create_a_reserved_system_class() -> None:
+    result = run(tool("helm"), "template", str(CHART), "--set", "agent.priorityClass.create=true")
+    assert result.returncode != 0
+    assert "Kubernetes reserves the system- prefix" in result.stderr, result.stderr
+    assert 'Set agent.priorityClass.name to ""' in result.stderr
 
 
 def test_operator_is_a_single_recreated_replica_with_kopf_liveness() -> None:
@@ -170,14 +206,59 @@ def test_agent_may_write_only_region_status_and_offload_nodes() -> None:
         ("kvshm.dev", "offloadregions/status", "patch"),
         ("kvshm.dev", "offloadnodes", "create"),
         ("kvshm.dev", "offloadnodes/status", "patch"),
-        ("", "events", "create"),
-        ("", "events", "patch"),
-        ("events.k8s.io", "events", "create"),
-        ("events.k8s.io", "events", "patch"),
+        ("", "events", "create"),  # POSTed to core/v1 only (agent/kvshm/agent/cluster/sink.py)
     }
     # reading: its regions, its OffloadNode, its node's labels
     assert ("", "nodes", "get") in _grants(role)
     assert ("", "nodes", "list") not in _grants(role)
+
+
+# What each component's code calls (agent: kvshm.agent.cluster; operator: kvshm.operator.kube and
+# kopf 1.45, which lists and watches objects whole, PATCHes them and their /status, and POSTs
+# core/v1 Events): exactly these grants. tests/operator/test_api_server.py,
+# tests/operator/test_with_agents.py and tests/agent/test_cluster_mode.py run both programs
+# with these roles against a real API server, so a missing grant fails them.
+EXACT_GRANTS = {
+    "agent": {
+        ("kvshm.dev", "offloadregions", "get"),
+        ("kvshm.dev", "offloadregions", "list"),
+        ("kvshm.dev", "offloadregions", "watch"),
+        ("kvshm.dev", "offloadregions/status", "patch"),
+        ("kvshm.dev", "offloadnodes", "get"),
+        ("kvshm.dev", "offloadnodes", "list"),
+        ("kvshm.dev", "offloadnodes", "watch"),
+        ("kvshm.dev", "offloadnodes", "create"),
+        ("kvshm.dev", "offloadnodes/status", "patch"),
+        ("", "nodes", "get"),
+        ("", "events", "create"),
+    },
+    "operator": {
+        ("kvshm.dev", "offloadregions", "get"),
+        ("kvshm.dev", "offloadregions", "list"),
+        ("kvshm.dev", "offloadregions", "watch"),
+        ("kvshm.dev", "offloadregions", "patch"),
+        ("kvshm.dev", "offloadregions/status", "patch"),
+        ("kvshm.dev", "offloadnodes", "get"),
+        ("kvshm.dev", "offloadnodes", "list"),
+        ("kvshm.dev", "offloadnodes", "watch"),
+        ("kvshm.dev", "offloadnodes", "patch"),
+        ("kvshm.dev", "offloadnodes", "delete"),
+        ("", "nodes", "get"),
+        ("", "nodes", "list"),
+        ("", "nodes", "watch"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+        ("", "namespaces", "list"),
+        ("", "namespaces", "watch"),
+        ("", "events", "create"),
+    },
+}
+
+
+@pytest.mark.parametrize("component", sorted(EXACT_GRANTS))
+def test_each_role_grants_exactly_what_its_code_calls(component: str) -> None:
+    role = find(render(), "ClusterRole", f"-{component}")
+    assert _grants(role) == EXACT_GRANTS[component]
 
 
 def test_operator_may_not_write_status_of_nodes_or_create_them() -> None:
@@ -211,6 +292,31 @@ def test_each_role_is_bound_to_its_own_service_account_only(component: str) -> N
     assert subject["name"] == account["metadata"]["name"]
     # no token in pods that did not ask for one
     assert account["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("component", ["agent", "operator"])
+@pytest.mark.parametrize("schema", [True, False], ids=["schema", "template"])
+def test_an_existing_service_account_must_be_named(component: str, schema: bool) -> None:
+    """create: false without a name would bind the ClusterRole to the namespace's "default"
+    ServiceAccount, which every pod there runs as: refused, by the schema and by the template
+    (for `--skip-schema-validation`), naming the value."""
+    args = [tool("helm"), "template", "kvshm", str(CHART)]
+    args += ["--set", f"{component}.serviceAccount.create=false"]
+    if not schema:
+        args.append("--skip-schema-validation")
+    result = run(*args)
+    assert result.returncode != 0, f"{component} would run as the namespace's default account"
+    assert f"{component}.serviceAccount.name" in result.stderr, result.stderr
+    named = run(*args, "--set", f"{component}.serviceAccount.name=existing")
+    assert named.returncode == 0, named.stderr
+    [binding] = [
+        doc
+        for doc in yaml.safe_load_all(named.stdout)
+        if doc
+        and doc["kind"] == "ClusterRoleBinding"
+        and doc["metadata"]["name"].endswith(component)
+    ]
+    assert binding["subjects"][0]["name"] == "existing"
 
 
 def test_rbac_can_be_left_to_the_cluster_admin() -> None:

@@ -161,3 +161,44 @@ def test_serving_pods_are_found_by_the_charts_pod_monitor(example: tuple[Path, P
     assert selector.items() <= labels.items()
     ports = deployment["spec"]["template"]["spec"]["containers"][0]["ports"]
     assert monitor["servingPodMonitor"]["port"] in {p["name"] for p in ports}
+
+
+SERVING_DEPLOYMENTS = sorted(
+    (path, doc)
+    for path in EXAMPLE.rglob("*.yaml")
+    for doc in load_yaml_documents(path)
+    if doc["kind"] == "Deployment"
+)
+
+
+def test_every_serving_example_is_found() -> None:
+    found = {path.relative_to(EXAMPLE).as_posix() for path, _ in SERVING_DEPLOYMENTS}
+    assert found >= {"deployment.yaml", "plugin/deployment.yaml", "data-parallel/deployment.yaml"}
+
+
+@pytest.mark.parametrize(
+    "deployment",
+    [doc for _, doc in SERVING_DEPLOYMENTS],
+    ids=[path.relative_to(EXAMPLE).as_posix() for path, _ in SERVING_DEPLOYMENTS],
+)
+def test_a_region_serves_one_engine_per_node_even_during_a_rollout(
+    deployment: dict[str, Any],
+) -> None:
+    """Two engines on one node share its one copy of the region and overwrite each other's
+    blocks: replicas never share a node, and a rollout stops the old pod before the new one."""
+    template = deployment["spec"]["template"]
+    terms = template["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert any(
+        term["topologyKey"] == "kubernetes.io/hostname"
+        and term["labelSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+        and "namespaces" not in term
+        and "namespaceSelector" not in term
+        for term in terms
+    ), terms
+    strategy = deployment["spec"].get("strategy", {})
+    rolling = strategy.get("rollingUpdate", {})
+    assert strategy.get("type") == "Recreate" or (
+        strategy.get("type") == "RollingUpdate" and rolling.get("maxSurge") == 0
+    ), strategy

@@ -65,7 +65,8 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if $sa.create -}}
 {{- default (include "kvshm.componentName" (list $root $component)) $sa.name -}}
 {{- else -}}
-{{- default "default" $sa.name -}}
+{{- /* never the namespace's "default" account: its ClusterRole would go to every pod there */ -}}
+{{- required (printf "%s.serviceAccount.name is required when %s.serviceAccount.create is false: name the existing ServiceAccount the %s runs as (the chart binds its ClusterRole to it, so not the namespace's shared \"default\")" $component $component $component) $sa.name -}}
 {{- end -}}
 {{- end -}}
 
