@@ -8,12 +8,15 @@ if [[ ! -x $VENV/bin/python ]]; then
     echo "== creating $VENV"
     "$PYTHON" -m venv "$VENV"
 fi
-if [[ ! -f $stamp || pyproject.toml -nt $stamp || scripts/setup.sh -nt $stamp ]]; then
+if [[ ! -f $stamp || pyproject.toml -nt $stamp || scripts/setup.sh -nt $stamp
+      || constraints/runtime.txt -nt $stamp ]]; then
     echo "== installing kvshm[dev] into $VENV"
     "$VENV/bin/pip" install -q --upgrade pip
     # the CPU build of torch; an unpinned torch would pull gigabytes of CUDA wheels
     "$VENV/bin/pip" install -q "torch==2.13.0"
-    "$VENV/bin/pip" install -q -e ".[dev]"
+    # the agent and operator image's dependencies at the versions it builds with (Dockerfile):
+    # the tests run what ships, and a release upstream changes neither until the file does
+    "$VENV/bin/pip" install -q -e ".[dev]" --constraint constraints/runtime.txt
     touch "$stamp"
 fi
 # vLLM 0.33.0 (and 0.32.0's sources) for tests/against_vllm (vLLM's own code): no deps resolved
