@@ -41,6 +41,8 @@ def test_there_is_an_example_for_gpu_and_for_kind_clusters() -> None:
         ("agent.updateStrategy.maxUnavailable=0%", "maxUnavailable"),  # must be positive
         ("regionRoot=/dev/shm/../kvshm", "regionRoot"),  # no '..' in a hostPath
         ("regionRoot=/dev/shm/./kvshm", "regionRoot"),
+        ("regionRoot=/mnt/kvshm/", "regionRoot"),  # paths are built from it as written
+        ("regionRoot=/dev/shm/", "regionRoot"),
         ("nameOverride=KVSHM", "nameOverride"),  # object names are DNS labels
         ("fullnameOverride=kv_shm", "fullnameOverride"),
         ("agent.resources.requests.memory=1.2.3", "agent.resources.requests.memory"),
@@ -64,7 +66,6 @@ def test_values_schema_rejects_bad_values_naming_them(bad: str, complaint: str) 
         ),
         # mode 1777: the agent refuses a root that others can write
         ("regionRoot=/dev/shm", "Use a directory of its own below it, e.g. /dev/shm/kvshm"),
-        ("regionRoot=/dev/shm/", "Use a directory of its own below it, e.g. /dev/shm/kvshm"),
     ],
 )
 def test_chart_refuses_values_the_schema_cannot_express_saying_what_to_do(
