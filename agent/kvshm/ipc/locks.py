@@ -38,3 +38,12 @@ def byte_is_locked(fd: int, offset: int) -> bool:
     answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _request(fcntl.F_WRLCK, offset))
     lock_type: int = _FLOCK.unpack(answer)[0]
     return lock_type != fcntl.F_UNLCK
+
+
+def byte_lock_holder_pid(fd: int, offset: int) -> int | None:
+    """The pid of the process whose lock on the byte conflicts with a write lock through `fd`;
+    None when the byte is free or the lock is an open file description lock (the kernel
+    reports pid -1 for those: they belong to no process)."""
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _request(fcntl.F_WRLCK, offset))
+    lock_type, _, _, _, pid = _FLOCK.unpack(answer)
+    return pid if lock_type != fcntl.F_UNLCK and pid > 0 else None

@@ -11,6 +11,7 @@ import os
 import stat
 import time
 
+from kvshm.ipc.locks import byte_lock_holder_pid, try_lock_byte
 from kvshm.region import (
     RegionError,
     RegionFileMissingError,
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 
 class RegionGeometryMismatch(RegionError):
     """The agent's region does not have the geometry vLLM computed for this engine."""
+
+
+class RegionServesAnotherEngine(RegionError):
+    """A worker of another engine already attached the region as this worker's rank."""
 
 
 class RegionCellsOutOfSpace(RegionError):
@@ -122,6 +127,7 @@ def attach_region(
     appear. A region whose pages are not all allocated (populate: false) gets this worker's
     cells allocated here, so a full tmpfs is an error now rather than a SIGBUS at the first
     store. The returned region holds a shared flock on file 0 (the agent counts it as a holder)
+    and a write lock on file 0's byte `rank` (a second engine's worker of that rank is refused)
     until cleanup().
     """
     if expected.num_chunks < 1:
@@ -161,12 +167,44 @@ def attach_region(
             if os.path.lexists(os.path.join(directory, extra)):
                 found = f"the kvshm region has more files ({os.path.join(directory, extra)} too)"
                 raise _geometry_mismatch(directory, instance_id, expected, found)
+        _claim_rank(region, directory, instance_id, rank)
         if not region.is_fully_allocated():
             _allocate_own_cells(region)
     except BaseException:
         region.cleanup()
         raise
     return region
+
+
+def _claim_rank(region: SharedOffloadRegion, directory: str, instance_id: str, rank: int) -> None:
+    """Write-lock file 0's byte `rank` (an open file description lock on file 0's descriptor,
+    which the region keeps until cleanup(); the kernel drops it when the process dies), or
+    refuse: another engine's worker of this rank holds the region. The ranks of one engine
+    lock different bytes. The lock is advisory (no read or write of the byte is kept out), so
+    vLLM's own code never sees it, and OFD locks and flock do not interact, so the agent's
+    holder probe sees this worker's shared flock as before."""
+    fd = region.fileno()
+    if try_lock_byte(fd, rank):
+        return
+    pid = byte_lock_holder_pid(fd, rank)
+    holder = (
+        f"process {pid}"
+        if pid is not None
+        else "the kernel names no process for this kind of lock (an open file description "
+        f"lock); 'fuser -v {region.mmap_path}' on the node lists the processes that map the "
+        f"file, the kvshm agent among them"
+    )
+    raise RegionServesAnotherEngine(
+        f"the kvshm region with instanceId {instance_id!r} in {directory} already serves "
+        f"another engine's worker of rank {rank} ({holder}), so worker {rank} of this engine "
+        f"is refused. A region serves exactly one engine per node: two engines on one region "
+        f"would each keep their own table of which CPU block holds what, overwrite each "
+        f"other's blocks and load wrong KV data. Run one engine per region on a node: required "
+        f"pod anti-affinity per node (topologyKey kubernetes.io/hostname) between the pods "
+        f"that use the region, and a rollout that removes the old pod before it starts the new "
+        f"one (maxSurge: 0), see docs/deploy.md; or give this engine its own OffloadRegion "
+        f"(another instanceId)."
+    )
 
 
 def _allocate_own_cells(region: SharedOffloadRegion) -> None:
