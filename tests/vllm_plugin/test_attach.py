@@ -95,6 +95,9 @@ def test_a_sparse_region_on_a_full_tmpfs_is_refused_with_sizes_not_sigbus(
     finally:
         os.close(fd)
     assert os.path.getsize(path) == TWO_WORKERS.size_bytes
+    # and the failed attach let go of rank 0: given room, worker 0 attaches
+    os.unlink(small_tmpfs / "filler")
+    attach_region(str(small_tmpfs), "eng", TWO_WORKERS, 0, 2.0).cleanup()
 
 
 def test_a_fully_allocated_region_is_attached_without_allocating(shm_dir: Path) -> None:

@@ -20,6 +20,7 @@ from kvshm.agent.drain import DrainEvent
 from kvshm.agent.notify import CHUNK_BYTES, CHUNKS, EVENTS_RING
 from kvshm.ipc import MessageQueue, WaitPolicy
 from kvshm.ipc.codec import FIRST, FRAGMENT
+from kvshm.vllm.attach import RegionServesAnotherEngine, attach_region
 from kvshm.vllm.events import ATTACH_TIMEOUT_S, DRAIN_EVENT_MAX_BYTES, Drain, DrainListener
 from kvshm.vllm.worker import RegionDrainedError
 from tests.ipc.tenant import scribbling_on
@@ -59,6 +60,8 @@ def test_drain_finishes_jobs_in_flight_then_releases_the_region(
         kv = canonical_kv_caches(KvLayout("tiny", TINY_LAYERS, TINY_PAGE), GPU_BLOCKS, "cpu")
         worker = spec.get_worker(kv)
         assert is_held(path)
+        with pytest.raises(RegionServesAnotherEngine):  # another engine's worker 0
+            attach_region(str(shm_dir), engine.engine_id, spec.region_geometry, 0, 2.0)
         # the listener joins the queue in its own thread; a drain sent before it joined is lost
         assert worker.drain_listener is not None and worker.drain_listener.wait_listening(10)
         job = Job([1, 2, 3, 4], [5, 6], [4], [0])
@@ -69,6 +72,8 @@ def test_drain_finishes_jobs_in_flight_then_releases_the_region(
         while is_held(path):
             assert time.monotonic() < deadline, "the engine did not release the drained region"
             time.sleep(0.02)
+        # the release let go of its rank too: the next engine's worker 0 attaches
+        attach_region(str(shm_dir), engine.engine_id, spec.region_geometry, 0, 2.0).cleanup()
         assert worker.drained is not None and worker.drained.reason == "region deleted"
         # the job in flight at the drain still reaches vLLM, finished
         assert finish(worker, {1})[1].success
