@@ -7,6 +7,7 @@ get a phase. Lists are summarised, and every message is cut to its field's bound
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 # maxLength of OffloadRegion status.message and status.nodes.<node>.message (the CRD's)
@@ -29,3 +30,17 @@ def summarize(items: Sequence[str], noun: str = "nodes", shown: int = SHOWN) -> 
 def bounded(text: str, limit: int = MAX_STATUS_MESSAGE) -> str:
     """text, cut to at most `limit` characters (ending in '…' when cut)."""
     return text if len(text) <= limit else text[: limit - len(ELLIPSIS)] + ELLIPSIS
+
+
+def status_message(body: object) -> str | None:
+    """The message of the Kubernetes Status an API error's body carries (bytes or text), or
+    None when the body is no Status with a message."""
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    if not isinstance(text, str):
+        return None
+    try:
+        status = json.loads(text)
+    except ValueError:
+        return None
+    message = status.get("message") if isinstance(status, dict) else None
+    return str(message) if message else None

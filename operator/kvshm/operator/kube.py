@@ -9,12 +9,12 @@ worker thread so the event loop never blocks.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, cast
 
 from kvshm.api import GROUP, NODE_PLURAL, VERSION
+from kvshm.api.messages import status_message
 
 # spec.retained is a list written whole; edits are read-modify-write, made safe by sending
 # the resourceVersion read (a conflict means someone wrote in between: read again).
@@ -100,16 +100,8 @@ class KubernetesClientWriter:
                 if exc.status in REFUSED_STATUSES:
                     raise SpecRefused(
                         f"the API server refused the change to OffloadNode {name}: "
-                        f"{exc.status} {_server_message(exc)}"
+                        f"{exc.status} {status_message(exc.body) or exc.reason}"
                     ) from exc
                 raise
             return True
         raise RuntimeError(f"OffloadNode {name} kept changing: gave up after {CONFLICT_RETRIES}")
-
-
-def _server_message(exc: Any) -> str:
-    """The Status message of a refused request (its body is JSON), else its reason."""
-    try:
-        return str(json.loads(exc.body)["message"])
-    except (TypeError, ValueError, KeyError):
-        return str(exc.reason)

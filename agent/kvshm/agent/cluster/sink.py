@@ -9,7 +9,6 @@ named after it) has this agent as its only status writer.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -42,7 +41,7 @@ from kvshm.api import (
     NodeReport,
 )
 from kvshm.api.address import split_region_key
-from kvshm.api.messages import MAX_CONDITION_MESSAGE, bounded, summarize
+from kvshm.api.messages import MAX_CONDITION_MESSAGE, bounded, status_message, summarize
 from kvshm.api.reading import format_timestamp
 
 log = logging.getLogger(__name__)
@@ -324,8 +323,4 @@ def _inventory_condition(published: PublishedFiles, found: int) -> dict[str, Any
 def _api_message(exc: ApiException) -> str:
     """The Status message of an API error's body, else its body, briefly."""
     body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else str(exc.body)
-    try:
-        message = json.loads(body).get("message") or body
-    except (ValueError, AttributeError):
-        message = body
-    return bounded(str(message), 512)
+    return bounded(status_message(body) or body, 512)
