@@ -44,6 +44,9 @@ class RootScan:
     root: str  # the region root's absolute path
     inventory: NodeInventory
     problems: tuple[str, ...] = ()  # unsafe or unexpected entries found under the root
+    # paths whose regions were looked up by name besides the listing (the OffloadNode's
+    # spec.retained and spec.reclaims): published first (published_files)
+    looked_up: frozenset[str] = frozenset()
 
 
 class InventoryScanner:
@@ -73,7 +76,7 @@ class InventoryScanner:
             files.extend(self._scan_dir(region_dir, claimed_by, problems, wanted_here))
         files = self._track_orphans(files)
         inventory = NodeInventory(capacity, free, self._reserve, tuple(files))
-        return RootScan(self._root.path, inventory, tuple(problems))
+        return RootScan(self._root.path, inventory, tuple(problems), frozenset(looked_up))
 
     def _track_orphans(self, files: list[InventoryFile]) -> list[InventoryFile]:
         # Rounded up to a whole second, as published: the grace period never starts early.
@@ -104,10 +107,10 @@ class InventoryScanner:
         now = time.time()
         file_sets, unsafe = find_region_files(region_dir)
         listed = {file_set.instance_id for file_set in file_sets}
+        seen = {entry.name for entry in unsafe}  # an id's names are no other id's
         for instance_id in sorted(set(wanted) - listed):
             file_set, unsafe_of_id = files_of(region_dir, instance_id)
             file_sets.extend([file_set] if file_set is not None else [])
-            seen = {entry.name for entry in unsafe}
             unsafe.extend(entry for entry in unsafe_of_id if entry.name not in seen)
         problems.extend(describe_unsafe(region_dir, entry) for entry in unsafe)
         for file_set in file_sets:

@@ -44,20 +44,19 @@ def connect_cluster(
     node = NodeName(node_name)  # checked before anything is asked of the API server
     configuration = load_configuration(kubeconfig)
     make_client: Callable[[], client.ApiClient] = lambda: client.ApiClient(configuration)  # noqa: E731
-    source = ClusterSource(
-        make_client,
-        node,
-        on_watch_restart=metrics.watch_restarted,
-        labels_refresh_seconds=resync_seconds,
-    )
     sink = ClusterSink(
         make_client(),
         node,
         version,
         count_error=metrics.error,
         heartbeat_seconds=resync_seconds,
-        listed_first=source.listed_first,
         on_published=lambda published: metrics.inventory_omitted(published.omitted_count),
     )
     previous = sink.ensure_node()
+    source = ClusterSource(
+        make_client,
+        node,
+        on_watch_restart=metrics.watch_restarted,
+        labels_refresh_seconds=resync_seconds,
+    )
     return source, sink, orphaned_since(previous)

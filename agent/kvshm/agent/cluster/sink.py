@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -63,7 +63,6 @@ class ClusterSink:
         count_error: Callable[[ErrorReason], None],
         heartbeat_seconds: float = 30.0,
         progress_seconds: float = 1.0,
-        listed_first: Callable[[], Collection[str]] = frozenset,
         on_published: Callable[[PublishedFiles], None] = lambda published: None,
     ) -> None:
         self.node_name = node_name
@@ -72,8 +71,6 @@ class ClusterSink:
         self._api_client = api_client
         self._count_error = count_error
         self._heartbeat_seconds = heartbeat_seconds
-        # paths the operator decides from whether they are listed (spec.retained, .reclaims)
-        self._listed_first = listed_first
         self._on_published = on_published
         self._gate = ReportGate(progress_seconds)
         self._transitions: dict[str, tuple[str, datetime]] = {}  # key -> (phase, since)
@@ -108,18 +105,19 @@ class ClusterSink:
     def _publish_node(self, result: PassResult) -> None:
         if result.root_scan is None:
             return
-        published = published_files(result.root_scan.inventory.files, self._listed_first())
+        scan = result.root_scan
+        published = published_files(scan.inventory.files, scan.looked_up)
         self._on_published(published)
         inventory = replace(
-            result.root_scan.inventory,
+            scan.inventory,
             files=published.files,
             reclaims=tuple(r for _, r in sorted(result.reclaims.items())),
             agent_version=self._version,
         )
         status = inventory.to_status()
         status["conditions"] = [
-            self._root_condition(result.root_scan.problems),
-            _inventory_condition(published, len(result.root_scan.inventory.files)),
+            self._root_condition(scan.problems),
+            _inventory_condition(published, len(scan.inventory.files)),
         ]
         last = self._node_status
         if last is not None:
