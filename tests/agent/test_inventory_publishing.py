@@ -30,6 +30,7 @@ from kvshm.api.reading import parse_timestamp
 from kvshm.operator.orphans import OrphanClock, decide_reclaims
 from tests.agent.builders import manifest, region_dir
 from tests.agent.cluster import AgentCluster, running_agent
+from tests.envtest import manifests
 from tests.envtest.fixtures import ChartAccounts
 from tests.envtest.server import EnvTest
 from tests.waiting import wait_for
@@ -100,12 +101,7 @@ def test_a_flooded_root_keeps_the_heartbeat_and_retained_files_listed(
         GROUP,
         VERSION,
         NODE_PLURAL,
-        {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "OffloadNode",
-            "metadata": {"name": NODE},
-            "spec": {"retained": [{"path": retained, "region": "flood/gone"}]},
-        },
+        manifests.offload_node(NODE, {"retained": [{"path": retained, "region": "flood/gone"}]}),
     )
     cluster.create(manifest("llm", namespace))
     with running_agent(cluster.kubeconfig, NODE, root) as app:

@@ -20,10 +20,12 @@ def region(name: str, namespace: str = "default", **spec: Any) -> dict[str, Any]
     }
 
 
-def offload_node(name: str, **status: Any) -> dict[str, Any]:
+def offload_node(name: str, spec: dict[str, Any] | None = None, **status: Any) -> dict[str, Any]:
     """An OffloadNode (status is dropped on create: write it through /status)."""
     body: dict[str, Any] = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadNode"}
     body["metadata"] = {"name": name}
+    if spec is not None:
+        body["spec"] = spec
     if status:
         body["status"] = status
     return body

@@ -20,6 +20,7 @@ import pytest
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
 from kvshm.api.reading import MAX_RECLAIMS, MAX_RETAINED, format_timestamp
 from kvshm.operator.settings import FINALIZER
+from tests.envtest import manifests
 from tests.operator.harness import TEST_CONFIG, Cluster, OperatorProcess, operator_process
 from tests.waiting import wait_for
 
@@ -49,15 +50,7 @@ def write_offload_node(
 ) -> None:
     """An OffloadNode as its agent registers it: a heartbeat of now and this inventory."""
     cluster.custom.create_cluster_custom_object(
-        GROUP,
-        VERSION,
-        NODE_PLURAL,
-        {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "OffloadNode",
-            "metadata": {"name": name},
-            "spec": spec or {},
-        },
+        GROUP, VERSION, NODE_PLURAL, manifests.offload_node(name, spec or {})
     )
     report_status(cluster, name, files=[orphan(path) for path in files])
 
