@@ -1,5 +1,5 @@
 # The kvshm agent and operator image (one image, two commands: kvshm-agent, kvshm-operator).
-# No torch here: the serving image installs kvshm[sidecar] next to vLLM instead.
+# No torch here: the serving image installs kvshm[vllm] into vLLM's (examples/serving/Dockerfile).
 #
 #   docker build -t kvshm:dev --build-arg REVISION="$(git rev-parse HEAD)" .
 #
@@ -19,13 +19,20 @@ WORKDIR /src
 # does not change with tests or docs
 COPY pyproject.toml README.md ./
 COPY constraints/runtime.txt ./constraints/runtime.txt
+# the source roots the agent and operator run (docs/ARCHITECTURE.md, Components): agent/,
+# operator/, common/ (api, region, ipc) and cli/ (the `kvshm` command); not serving/ (transfer and
+# the vLLM plugin, which need torch)
 COPY agent ./agent
+COPY common ./common
+COPY cli ./cli
 COPY operator ./operator
 # the agent and operator extras only (kubernetes, kopf, prometheus-client): no torch; at the
 # versions the tests ran (constraints/runtime.txt), not whatever is newest at build time. Then
 # pip and setuptools leave the venv: nothing in the image installs anything.
 RUN /opt/kvshm/bin/pip install --no-compile --constraint constraints/runtime.txt ".[agent,operator]" \
-    && /opt/kvshm/bin/python -c "import kvshm.agent.cli, kvshm.operator.main" \
+    && /opt/kvshm/bin/python -c "import kvshm.agent.cli, kvshm.operator.main, kvshm.cli" \
+    && if /opt/kvshm/bin/python -c "import kvshm.transfer" 2>/dev/null; then \
+         echo "the serving pods' code (serving/) must not be in the agent/operator image" >&2; exit 1; fi \
     && if /opt/kvshm/bin/python -c "import torch" 2>/dev/null; then \
          echo "torch must not be in the agent/operator image" >&2; exit 1; fi \
     && /opt/kvshm/bin/python -m pip uninstall --yes pip setuptools \

@@ -20,11 +20,10 @@ from typing import Any
 
 from bench import vllm_modules
 from kvshm.region import RegionFormat, RegionLayout, SharedOffloadRegion
+from kvshm.region.naming import MAX_SEGMENTS
 
 GIB = 1024**3
 DEV_SHM = "/dev/shm"
-ROW_ALIGNMENT = 4096  # vLLM's BLOCK_SIZE_ALIGNMENT on x86-64
-VLLM_SEGMENTS = 32  # CPUOffloadingSpec's _REGION_SEGMENTS
 BARRIER_TIMEOUT_S = 300.0  # a rank that dies must not hang the others forever
 SPAWN = multiprocessing.get_context("spawn")  # CUDA in the ranks: never fork
 
@@ -52,7 +51,7 @@ class Geometry:
         if tp not in MODEL_CELLS:
             raise SystemExit(f"--tp {tp}: choose one of {sorted(MODEL_CELLS)}")
         model, cell = MODEL_CELLS[tp]
-        stride = -(-cell * tp // ROW_ALIGNMENT) * ROW_ALIGNMENT
+        stride = RegionLayout(1, cell, tp).row_stride
         return cls(model, tp, cell, max(1, -(-int(gib * GIB) // stride)))
 
     def split(self, tp: int) -> Geometry:
@@ -64,16 +63,14 @@ class Geometry:
     @property
     def row_stride(self) -> int:
         """vLLM's kv_bytes_per_chunk: round_up(cell x world size, 4096)."""
-        return -(-self.cell_bytes * self.tp // ROW_ALIGNMENT) * ROW_ALIGNMENT
+        return self.kvshm_layout().row_stride
 
     @property
     def size_bytes(self) -> int:
         return self.num_chunks * self.row_stride
 
     def kvshm_layout(self) -> RegionLayout:
-        layout = RegionLayout(self.num_chunks, self.cell_bytes, self.tp, RegionFormat.VLLM_0_33)
-        assert layout.size_bytes == self.size_bytes, (layout, self)
-        return layout
+        return RegionLayout(self.num_chunks, self.cell_bytes, self.tp, RegionFormat.VLLM_0_33)
 
     def describe(self) -> str:
         layout = self.kvshm_layout()
@@ -96,7 +93,7 @@ def open_vllm_region(
         kv_bytes_per_chunk=geometry.row_stride,
         cpu_page_size=geometry.cell_bytes,
         barrier=None if barrier is None else barrier.wait,
-        num_segments=VLLM_SEGMENTS,
+        num_segments=MAX_SEGMENTS,
     )
 
 

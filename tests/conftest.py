@@ -6,15 +6,18 @@ and the test command installs every tool). Region tests use real tmpfs directori
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.huge_pages import fallbacks_since_now
 
 # The real API server's fixtures (envtest, chart_accounts, envtest_namespace, ...:
 # tests/envtest/README.md) for every test directory. Only where the dev extra is installed
@@ -44,6 +47,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if skip_marker in item.keywords:
             item.add_marker(skip)
+    # the real node's tests last: its processes then never share the machine with the rest
+    node_tier = Path(__file__).parent / "node"
+    items.sort(key=lambda item: Path(str(item.fspath)).is_relative_to(node_tier))
 
 
 _unexpected_skips: list[str] = []
@@ -76,15 +82,37 @@ def shm_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def small_tmpfs() -> Iterator[Path]:
-    """A 64 MiB tmpfs mounted for this test: a real filesystem that really fills up."""
+@contextlib.contextmanager
+def mounted_tmpfs(options: str) -> Iterator[Path]:
+    """A tmpfs mounted with these options (mode 0755 unless they say) for as long as the
+    context lasts."""
     path = Path(tempfile.mkdtemp(prefix="kvshm-tmpfs-"))
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755", "tmpfs", str(path)], check=True
-    )
+    if "mode=" not in options:
+        options += ",mode=0755"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
     try:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
         os.rmdir(path)
+
+
+@pytest.fixture
+def small_tmpfs() -> Iterator[Path]:
+    """A 64 MiB tmpfs mounted for this test: a real filesystem that really fills up."""
+    with mounted_tmpfs("size=64m") as path:
+        yield path
+
+
+@pytest.fixture
+def thp_fallbacks() -> Callable[[], int]:
+    """The kernel's huge-page fallbacks since this test started (tests/huge_pages.py)."""
+    return fallbacks_since_now()
+
+
+@pytest.fixture
+def huge_tmpfs() -> Iterator[Path]:
+    """A 64 MiB tmpfs mounted huge=within_size for this test: region files on it get 2 MiB
+    pages (whatever /sys/kernel/mm/transparent_hugepage/shmem_enabled says, unless deny)."""
+    with mounted_tmpfs("size=64m,huge=within_size") as path:
+        yield path

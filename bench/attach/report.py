@@ -109,3 +109,34 @@ def print_table(gib: float, tp: int, times: dict[str, PathTimes], agent: dict[st
             f"  {LABELS[path]} / kvshm attach, open->ready only: "
             f"{other.open_ready / kvshm.open_ready:.1f}x"
         )
+
+
+def print_pages(
+    gib: float, tp: int, times: dict[str, dict[str, PathTimes]], agents: dict[str, Any]
+) -> None:
+    """--compare-pages: each path on each root ("4 KiB", "2 MiB"), and 4 KiB over 2 MiB."""
+    geometry = Geometry.for_size(gib, tp)
+    print(f"\n{geometry.describe()}")
+    for name, agent in agents.items():
+        print(
+            f"  agent's region on {name} pages: populate {agent['populate_s']:.3f} s "
+            f"({geometry.size_bytes / agent['populate_s'] / 1e9:.2f} GB/s), {agent['locked']}"
+        )
+    print(f"  {'path':<40}{'pages':>7}{'open->ready':>12}{'register':>10}{'xfer-ready':>11}")
+    small, huge = times["4 KiB"], times["2 MiB"]
+    for path in (path for path in PATHS if path in small):
+        for name in times:
+            t = times[name][path]
+            print(
+                f"  {LABELS[path]:<40}{name:>7}{seconds(t.open_ready, 12)}{seconds(t.register)}"
+                f"{seconds(t.transfer_ready, 11)}"
+            )
+        slow, fast = small[path].register, huge[path].register
+        if slow is not None and fast is not None:
+            goal = "  (goal >= 1.5x at TP 4)" if path == "kvshm_cells" else ""
+            print(f"    registration, 4 KiB / 2 MiB pages: {slow / fast:.2f}x{goal}")
+        else:
+            print(
+                f"    no registration (no CUDA): open->ready, 4 KiB / 2 MiB pages: "
+                f"{small[path].open_ready / huge[path].open_ready:.2f}x"
+            )

@@ -39,8 +39,15 @@ TP 4. TP 4 here is four processes on one GPU (a real engine has one GPU per rank
 vLLM's code is loaded by bench/vllm_modules.py (its docstring says what is vLLM's and what is
 plumbing) from .vllm-src/ (scripts/extract-vllm-bench-src.sh) or an installed vLLM 0.33.
 
-    PYTHONPATH=agent:operator python3 bench/attach/run.py [--gib 16 64] [--tp 1 4]
+With --compare-pages (issue 35) it runs kvshm's paths only, on 4 KiB pages (--directory, the
+node's /dev/shm) against 2 MiB huge pages (a tmpfs mounted huge=within_size for the run, root
+needed, or --huge-directory), interleaved per repeat: how much faster the agent's region on
+huge pages registers, whole and (TP > 1) the rank's cells. Goal: cells >= 1.5x at TP 4.
+
+    PYTHONPATH=agent:common:serving:cli:operator python3 bench/attach/run.py
+        [--gib 16 64] [--tp 1 4]
         [--directory /dev/shm] [--repeat 1] [--vllm-src .vllm-src] [--json out.json]
+        [--compare-pages [--huge-directory DIR]]
     python bench/attach/run.py --quick     # 2 GiB; on a CPU box without registration
 """
 
@@ -61,7 +68,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.attach.report import PathTimes, median_times, print_table  # noqa: E402
+from bench.attach.report import PathTimes, median_times, print_pages, print_table  # noqa: E402
+from bench.common.pages import describe_root, huge_root  # noqa: E402
 from bench.region_common import (  # noqa: E402
     AgentRegion,
     Geometry,
@@ -227,22 +235,32 @@ def files_present(directory: str, geometry: Geometry, instance_id: str) -> list[
     return [name for name in names if os.path.exists(os.path.join(directory, name))]
 
 
+def kvshm_paths(
+    tp: int, agent_id: str, geometry: Geometry, directory: str, register: bool
+) -> dict[str, PathTimes]:
+    """kvshm's attach of the agent's region, registering the whole region and (at TP > 1,
+    with CUDA) the rank's cells."""
+    times = {
+        "kvshm_attach": PathTimes.of(
+            run_ranks(kvshm_rank, tp, agent_id, geometry, directory, register, False)
+        )
+    }
+    if tp > 1 and register:
+        times["kvshm_cells"] = PathTimes.of(
+            run_ranks(kvshm_rank, tp, agent_id, geometry, directory, register, True)
+        )
+    return times
+
+
 def run_once(
     gib: float, tp: int, directory: str, vllm_root: str | None, register: bool
 ) -> tuple[dict[str, PathTimes], dict[str, Any]]:
     geometry = Geometry.for_size(gib, tp)
     agent_id = f"kvshm-bench-agent-{os.getpid()}-{tp}"
     own_id = f"kvshm-bench-vllm-{os.getpid()}-{tp}"
-    times: dict[str, PathTimes] = {}
     agent = AgentRegion(agent_id, geometry, directory)
     try:
-        times["kvshm_attach"] = PathTimes.of(
-            run_ranks(kvshm_rank, tp, agent_id, geometry, directory, register, False)
-        )
-        if tp > 1 and register:
-            times["kvshm_cells"] = PathTimes.of(
-                run_ranks(kvshm_rank, tp, agent_id, geometry, directory, register, True)
-            )
+        times = kvshm_paths(tp, agent_id, geometry, directory, register)
         joiner = run_ranks(vllm_rank, tp, vllm_root, agent_id, geometry, directory, register)
         if not all(rank["joined"] for rank in joiner):
             raise SystemExit("vLLM did not join the agent's region (did it see the directory?)")
@@ -262,6 +280,59 @@ def run_once(
     return times, agent.report
 
 
+def run_kvshm(
+    gib: float, tp: int, directory: str, register: bool
+) -> tuple[dict[str, PathTimes], dict[str, Any]]:
+    """kvshm's paths alone on `directory` (--compare-pages): those huge pages change."""
+    geometry = Geometry.for_size(gib, tp)
+    agent_id = f"kvshm-bench-agent-{os.getpid()}-{tp}"
+    agent = AgentRegion(agent_id, geometry, directory)
+    try:
+        times = kvshm_paths(tp, agent_id, geometry, directory, register)
+    finally:
+        agent.close()
+    return times, agent.report
+
+
+def compare_pages(args: argparse.Namespace, register: bool) -> None:
+    """--compare-pages: kvshm's attach and registration on 4 KiB pages (--directory) against
+    2 MiB ones (a huge-page tmpfs), interleaved, for every size and TP."""
+    report: list[dict[str, Any]] = []
+    sizes, tps = args.gib or ([2.0] if args.quick else [16.0, 64.0]), args.tp or [1, 4]
+    largest = max(Geometry.for_size(gib, tp).size_bytes for gib in sizes for tp in tps)
+    with huge_root(largest, args.huge_directory) as huge_dir:
+        roots = {"4 KiB": args.directory, "2 MiB": huge_dir}
+        for name, directory in roots.items():
+            print(f"{name} pages: {describe_root(directory)}")
+        for gib in sizes:
+            for tp in tps:
+                runs: dict[str, list[dict[str, PathTimes]]] = {name: [] for name in roots}
+                agents: dict[str, dict[str, Any]] = {}
+                for _ in range(args.repeat):
+                    for name, directory in roots.items():
+                        times, agents[name] = run_kvshm(gib, tp, directory, register)
+                        runs[name].append(times)
+                medians = {
+                    name: {path: median_times([r[path] for r in each]) for path in each[0]}
+                    for name, each in runs.items()
+                }
+                print_pages(gib, tp, medians, agents)
+                report.append(
+                    {
+                        "gib": gib,
+                        "tp": tp,
+                        "agents": agents,
+                        **{
+                            f"{name}:{path}": asdict(value)
+                            for name, paths in medians.items()
+                            for path, value in paths.items()
+                        },
+                    }
+                )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -271,6 +342,16 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per case; medians shown")
     add_region_options(parser)
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument(
+        "--compare-pages",
+        action="store_true",
+        help="kvshm's attach and registration on 4 KiB pages (--directory) against 2 MiB ones "
+        "(issue 35), instead of the comparison with vLLM",
+    )
+    parser.add_argument(
+        "--huge-directory",
+        help="with --compare-pages: a tmpfs with huge pages (default: one mounted for the run)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -292,6 +373,9 @@ def main() -> None:
             "NOTE: no CUDA device, so no registration: 'register', 'inline' and 'xfer-ready' "
             "are not measured and the ratios compare open->ready only"
         )
+    if args.compare_pages:
+        compare_pages(args, register)
+        return
     report: list[dict[str, Any]] = []
     for gib in sizes:
         for tp in tps:

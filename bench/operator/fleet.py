@@ -28,6 +28,45 @@ def now_text() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def watch(
+    lister: Any,
+    args: tuple[str, ...],
+    handle: Any,
+    stop: threading.Event,
+    errors: queue.Queue[str],
+) -> None:
+    """List, then watch from there (listing again after a 410) until `stop`: handle(obj,
+    deleted=...) for every object and change; errors are put on `errors`."""
+    version = ""
+    while not stop.is_set():
+        try:
+            if not version:
+                listing = lister(*args)
+                version = listing["metadata"]["resourceVersion"]
+                for obj in listing["items"]:
+                    handle(obj, deleted=False)
+            stream = kubernetes.watch.Watch().stream(
+                lister, *args, resource_version=version, timeout_seconds=60
+            )
+            for event in stream:
+                obj = event["object"]
+                version = obj["metadata"]["resourceVersion"]
+                handle(obj, deleted=event["type"] == "DELETED")
+                if stop.is_set():
+                    return
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 410:
+                version = ""
+            else:
+                errors.put(f"watch {args[-1]}: {exc.status} {exc.reason}")
+                time.sleep(0.5)
+        except Exception as exc:  # a dropped stream: start over from the last version
+            if stop.is_set():
+                return
+            errors.put(f"watch {args[-1]}: {exc!r}")
+            time.sleep(0.2)
+
+
 @dataclass
 class SimNode:
     name: str
@@ -61,9 +100,10 @@ class Fleet:
         self.errors: queue.Queue[str] = queue.Queue()
 
     # -- set-up ------------------------------------------------------------------------------
-    def register(self) -> None:
+    def register(self, admin: kubernetes.client.CoreV1Api) -> None:
+        """Each node's Node (by `admin`: an agent may not create one) and OffloadNode."""
         for node in self.nodes.values():
-            self.core.create_node({"metadata": {"name": node.name}})  # type: ignore[arg-type]
+            admin.create_node({"metadata": {"name": node.name}})  # type: ignore[arg-type]
             self.custom.create_cluster_custom_object(
                 GROUP,
                 VERSION,
@@ -110,34 +150,7 @@ class Fleet:
         )
 
     def _watch(self, lister: Any, args: tuple[str, ...], handle: Any) -> None:
-        version = ""
-        while not self._stop.is_set():
-            try:
-                if not version:
-                    listing = lister(*args)
-                    version = listing["metadata"]["resourceVersion"]
-                    for obj in listing["items"]:
-                        handle(obj, deleted=False)
-                stream = kubernetes.watch.Watch().stream(
-                    lister, *args, resource_version=version, timeout_seconds=60
-                )
-                for event in stream:
-                    obj = event["object"]
-                    version = obj["metadata"]["resourceVersion"]
-                    handle(obj, deleted=event["type"] == "DELETED")
-                    if self._stop.is_set():
-                        return
-            except kubernetes.client.ApiException as exc:
-                if exc.status == 410:
-                    version = ""
-                else:
-                    self.errors.put(f"watch {args[-1]}: {exc.status} {exc.reason}")
-                    time.sleep(0.5)
-            except Exception as exc:  # a dropped stream: start over from the last version
-                if self._stop.is_set():
-                    return
-                self.errors.put(f"watch {args[-1]}: {exc!r}")
-                time.sleep(0.2)
+        watch(lister, args, handle, self._stop, self.errors)
 
     def _on_region(self, obj: dict[str, Any], deleted: bool) -> None:
         if deleted:

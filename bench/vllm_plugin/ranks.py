@@ -11,7 +11,8 @@ choose their backends by block size (the handlers' policy), not by measurement, 
 ranks' figures do not depend on which rank measured first.
 
 Run on a machine with two (or more) GPUs from the repository root, vLLM importable:
-    PYTHONPATH=agent:operator python3 bench/vllm_plugin/ranks.py [--gpus 2] [--json FILE]
+    PYTHONPATH=agent:common:serving:cli:operator python3 bench/vllm_plugin/ranks.py
+        [--gpus 2] [--json FILE]
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ blocks against the plugin's, the plugin's background registration and its first 
 
 Run on a GPU machine from the repository root, vLLM 0.33.0's wheel installed with --no-deps and
 the few pure-Python packages its worker modules import (docs/vllm-plugin.md):
-    PYTHONPATH=agent:operator python3 bench/vllm_plugin/run.py [--layouts a,b] [--json FILE]
+    PYTHONPATH=agent:common:serving:cli:operator python3 bench/vllm_plugin/run.py
+        [--layouts a,b] [--json FILE]
 Exits non-zero if anything could not be measured.
 """
 
@@ -129,17 +130,17 @@ CALIBRATE: list[Any] = []  # (c)'s ChoiceCache (fresh per run): the plugin measu
 PLUGIN_BACKEND: list[str] = []  # (c)'s kvshm_backend, where --backend names one
 
 
-def build_plugin(kv: Any, chunks: int, cell: int, workers: int) -> Built:
+def build_plugin(kv: Any, chunks: int, cell: int, workers: int, directory: str = SHM) -> Built:
     instance_id = f"kvshm-bench-plugin-{uuid.uuid4().hex[:8]}"
-    agent_region(SHM, instance_id, chunks, cell, workers)  # the agent's work, beforehand
+    agent_region(directory, instance_id, chunks, cell, workers)  # the agent's work, beforehand
     started = time.perf_counter()
     geometry = RegionGeometry(chunks, cell * workers, cell, workers, False)
-    region = attach_region(SHM, instance_id, geometry, 0, 5.0)
+    region = attach_region(directory, instance_id, geometry, 0, 5.0)
     worker = KvshmOffloadingWorker(
         kv,
         region,
         1,
-        region_dir=SHM,
+        region_dir=directory,
         instance_id=instance_id,
         listen_for_drain=False,
         backend=PLUGIN_BACKEND[0] if PLUGIN_BACKEND else None,
@@ -149,7 +150,7 @@ def build_plugin(kv: Any, chunks: int, cell: int, workers: int) -> Built:
 
     def close() -> None:
         worker.shutdown()
-        remove_region(SHM, instance_id)  # every file: a 64 GiB region has 32
+        remove_region(directory, instance_id)  # every file: a 64 GiB region has 32
 
     return Built(worker, seconds, close, {})
 
@@ -397,11 +398,11 @@ def main() -> None:
     if args.backend != "auto":
         PLUGIN_BACKEND.append(args.backend)
     if not args.no_calibrate:
-        from kvshm.vllm.calibration import ChoiceCache
+        from kvshm.transfer.calibration import ChoiceCache
 
         CALIBRATE.append(ChoiceCache(Path(tempfile.mkdtemp(prefix="kvshm-bench-choices-"))))
         logging.basicConfig(format="%(message)s")
-        logging.getLogger("kvshm.vllm.calibration").setLevel(logging.INFO)
+        logging.getLogger("kvshm.transfer.calibration").setLevel(logging.INFO)
     import vllm
 
     print(f"vLLM {vllm.__version__} from {Path(vllm.__file__).parent}")

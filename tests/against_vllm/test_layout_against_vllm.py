@@ -26,6 +26,7 @@ from tests.charts.test_serving_example import EXAMPLES, IDS
 MODELS = Path(__file__).resolve().parents[1] / "sizing" / "models"
 # the examples' hub ids, and the shipped config.json vLLM reads instead (no hub here)
 EXAMPLE_MODELS = {
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",  # examples/serving/quickstart
     "meta-llama/Llama-3.1-70B-Instruct": "llama-3.1-70b",
     "deepseek-ai/DeepSeek-V2-Lite": "deepseek-v2-lite",
 }

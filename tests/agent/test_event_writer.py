@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
+import yaml
 
+from kvshm.agent.app import build_app
+from kvshm.agent.cli import parse_config
 from kvshm.agent.eventwriter import IsolatedEventQueues
 from kvshm.agent.holders import HoldChecker
-from kvshm.agent.notify import EVENTS_RING
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.saferoot import RegionRoot
 from kvshm.api import NodeRegionPhase
 from kvshm.ipc import MessageQueue
-from tests.agent.builders import region, settle, view
+from kvshm.region.drain_event import EVENTS_RING
+from tests.agent.builders import manifest, region, settle, view
 from tests.waiting import wait_for
 
 
@@ -56,3 +60,18 @@ def test_a_writer_killed_by_sigbus_is_replaced_and_events_still_arrive(
         for worker in workers.values():
             worker.close()
         notifier.shutdown()
+
+
+def test_an_agent_that_stops_stops_its_event_writer(shm_dir: Path) -> None:
+    """The writer child goes with the agent's run (its rings stay for the next start), so an
+    agent run in-process (`--once`, the tests' agents) leaves no process behind."""
+    regions = shm_dir / "regions"
+    regions.mkdir()
+    (regions / "r.yaml").write_text(yaml.safe_dump(manifest("r", blocks=4, page=4096, workers=1)))
+    root = shm_dir / "root"
+    app = build_app(parse_config(["--local", str(regions), "--root", str(root), "--once",
+                                  "--no-http"]))  # fmt: skip
+    assert app.run(threading.Event()) == 0
+    assert (root / "ns1" / "r" / EVENTS_RING).is_file()  # a writer made the ring
+    assert app.events.writer_pid is None and not app.events.writer_running()
+    app.root.close()

@@ -70,3 +70,46 @@ def test_a_read_lease_counts_as_holding_the_file(shm_dir: Path) -> None:
         assert leaser.stdout is not None and leaser.stdout.readline().strip() == "leased"
         assert is_held(HoldChecker(), path)
     assert not is_held(HoldChecker(), path)
+
+
+COUNT_IN_PID_NAMESPACE = """
+import json, os, sys
+from kvshm.agent.holders import HoldChecker
+path, host_table = sys.argv[1], sys.argv[2]
+st = os.stat(path)
+counts = {}
+for name, table in (("own", "/proc/locks"), ("host", host_table)):
+    checker = HoldChecker(lock_table=table)
+    checker.refresh()
+    counts[name] = checker.flock_holders((st.st_dev, st.st_ino))
+print(json.dumps({"pid": os.getpid(), **counts}))
+"""
+
+
+def test_holders_in_other_pid_namespaces_are_counted_from_the_hosts_lock_table(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """An agent pod without hostPID: its /proc lists only the locks of its own PID namespace,
+    so a serving pod's flock is missing there and counted through the host's table (the chart
+    mounts /proc/locks read-only), where the agent's own locks carry its host pid."""
+    import json
+    import subprocess
+    import sys
+
+    path = make_file(shm_dir)
+    host_table = tmp_path / "locks"
+    host_table.touch()
+    subprocess.run(["mount", "--bind", "/proc/locks", str(host_table)], check=True)
+    try:
+        with holding(path, "flock"), holding(path, "flock"):
+            done = subprocess.run(
+                ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                 COUNT_IN_PID_NAMESPACE, str(path), str(host_table)],
+                capture_output=True, text=True, check=False, timeout=60,
+            )  # fmt: skip
+    finally:
+        subprocess.run(["umount", str(host_table)], check=False)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["pid"] == 1  # the agent in a PID namespace of its own, as in a pod
+    assert seen == {"pid": 1, "own": 0, "host": 2}

@@ -215,3 +215,26 @@ def test_reclaim_of_a_symlink_removes_nothing(shm_dir: Path, outside: Path) -> N
     assert result.reclaims[path].outcome is ReclaimOutcome.FAILED
     assert "symbolic link" in result.reclaims[path].message
     assert snapshot(outside) == before
+
+
+def test_a_region_directory_the_kubelet_made_first_is_adopted_with_the_regions_owner(
+    shm_dir: Path,
+) -> None:
+    """A serving pod created before its region mounts the directory with hostPath
+    DirectoryOrCreate: the kubelet makes it (and the namespace's) as root, 0755. The agent
+    keeps that directory (the pod's mount is of it), gives it the region's owner and mode, and
+    takes the listing bits off the namespace directory as it does for the ones it makes."""
+    root = shm_dir / "root"
+    made = root / "ns1" / "r1"
+    made.mkdir(parents=True, mode=0o755)
+    for each in (root, root / "ns1", made):
+        os.chmod(each, 0o755)
+    inode = made.stat().st_ino
+    result = settle(make_reconciler(root), view(region(access={"uid": 1000, "gid": 1000})))
+    assert result.reports["ns1/r1"].phase is NodeRegionPhase.READY, result.reports
+    st = made.stat()
+    assert (st.st_ino, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (inode, 1000, 1000, 0o700)
+    assert stat.S_IMODE((root / "ns1").stat().st_mode) == 0o711
+    assert [p.name for p in made.iterdir() if p.name.startswith("vllm_offload_")] == [
+        "vllm_offload_r1.mmap"
+    ]

@@ -3,6 +3,7 @@ failed attempts, alone and through the reconciler on a real tmpfs with a clock o
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -308,3 +309,23 @@ def test_a_failed_region_no_longer_wanted_is_removed(shm_dir: Path, opens: Faili
     assert not (shm_dir / "root" / spec.key).exists()
     settle(reconciler, view())
     assert reconciler.records() == {}
+
+
+def test_a_failure_is_news_once_per_reason_and_spec_and_keeps_its_specs_backoff() -> None:
+    spec = region()
+    first = Failure(spec, ErrorReason.CAPACITY, "no room").after_failed_attempt(100.0, 30, 600)
+    again = Failure(spec, ErrorReason.CAPACITY, "no room").follows(first)
+    assert first.is_news_after(None) and not again.is_news_after(first)
+    assert again.backoff == first.backoff == Backoff(30.0, 130.0)
+    other_reason = Failure(spec, ErrorReason.IO, "EIO").follows(first)
+    assert other_reason.is_news_after(first) and other_reason.backoff == first.backoff
+    new_spec = Failure(region(blocks=32), ErrorReason.CAPACITY, "no room").follows(first)
+    assert new_spec.is_news_after(first) and new_spec.backoff == Backoff()
+
+
+def test_a_permission_failure_says_which_capabilities_the_agent_lacks() -> None:
+    failure = Failure.of(region(), ErrorReason.PERMISSION, "cannot open")
+    assert f"uid {os.geteuid()}" in failure.message and "CAP_DAC_OVERRIDE" in failure.message
+    told = Failure.of(region(), ErrorReason.PERMISSION, "drop the capabilities list")
+    assert told.message == "drop the capabilities list"
+    assert Failure.of(region(), ErrorReason.IO, "EIO").message == "EIO"

@@ -20,6 +20,7 @@ from kvshm.api import (
     NODE_PLURAL,
     REGION_PLURAL,
     VERSION,
+    HugePages,
     InventoryFile,
     NodeInventory,
     NodeName,
@@ -27,6 +28,9 @@ from kvshm.api import (
     NodeReport,
     ReclaimOutcome,
     ReclaimResult,
+    RootPages,
+    WarmIndexReport,
+    WarmIndexState,
     parse_node_reports,
     parse_offload_node,
 )
@@ -113,6 +117,12 @@ def test_every_field_of_a_node_report_survives_the_crd_and_reads_back(
         holders=2,
         message="ready",
         observed_generation=created["metadata"]["generation"],
+        warm_index=WarmIndexReport(
+            WarmIndexState.COLD,
+            "it was written for another identity: model.revision: 'a' -> 'b'",
+            0,
+            datetime(2026, 11, 29, 4, 0, tzinfo=UTC),
+        ),
     )
     agent_sink.publish(PassResult(reports={f"{envtest_namespace}/r1": report}))
     assert agent_sink.errors == []  # type: ignore[attr-defined]
@@ -123,6 +133,7 @@ def test_every_field_of_a_node_report_survives_the_crd_and_reads_back(
     sent = report.to_status()
     assert {k: entry.get(k) for k in sent} == sent
     assert set(entry) == {*sent, "lastTransitionTime"}
+    assert NodeReport.from_status(entry).warm_index == report.warm_index
     read = parse_node_reports(stored["status"])[LONGEST_NODE]
     assert read.last_transition_time is not None
     assert read == replace(report, last_transition_time=read.last_transition_time)
@@ -141,6 +152,15 @@ def test_every_field_of_a_node_report_survives_the_crd_and_reads_back(
     assert generation == report.observed_generation + 1
     stale = parse_node_reports(changed["status"])[LONGEST_NODE]
     assert stale == read and not stale.ready_for(generation)
+
+    # a report without one (a region no longer Ready) removes it: null in a merge patch
+    agent_sink.publish(
+        PassResult(reports={f"{envtest_namespace}/r1": replace(report, warm_index=None)})
+    )
+    stored = custom.get_namespaced_custom_object(
+        GROUP, VERSION, envtest_namespace, REGION_PLURAL, "r1"
+    )
+    assert "warmIndex" not in stored["status"]["nodes"][LONGEST_NODE]
 
 
 def test_every_field_of_the_inventory_survives_the_crd_and_reads_back(
@@ -213,3 +233,40 @@ def test_an_unchanged_inventory_is_not_sent_again_before_the_heartbeat_is_due(
     publish(claimed, InventoryFile("ns/r2/vllm_offload_r2.mmap", 4096, "ns/r2", False, 1))
     assert version() != sent
     assert errors == []
+
+
+@pytest.mark.parametrize(
+    ("pages", "wanted", "condition"),
+    [
+        (RootPages(2 << 20, HugePages.WITHIN_SIZE), True, ("True", "HugePages")),
+        (RootPages(4096, HugePages.NEVER), True, ("False", "SmallPages")),
+        (RootPages(4096, HugePages.NEVER), False, None),  # --huge-pages off: no condition
+    ],
+    ids=["huge", "small-pages-wanted", "small-pages-off"],
+)
+def test_the_roots_pages_are_published_with_a_condition_where_huge_pages_are_wanted(
+    agent_sink: ClusterSink,
+    envtest_admin: kubernetes.client.ApiClient,
+    pages: RootPages,
+    wanted: bool,
+    condition: tuple[str, str] | None,
+) -> None:
+    agent_sink.ensure_node()
+    inventory = NodeInventory(1 << 30, 1 << 29, pages=pages)
+    scan = RootScan("/dev/shm/kvshm", inventory, huge_pages_wanted=wanted)
+    agent_sink.publish(PassResult(root_scan=scan))
+    assert agent_sink.errors == []  # type: ignore[attr-defined]
+    stored = kubernetes.client.CustomObjectsApi(envtest_admin).get_cluster_custom_object(
+        GROUP, VERSION, NODE_PLURAL, LONGEST_NODE
+    )
+    node = parse_offload_node(stored)
+    assert node is not None and node.status.pages == pages
+    found = {c["type"]: c for c in stored["status"]["conditions"]}
+    if condition is None:
+        assert "HugePages" not in found
+        return
+    assert (found["HugePages"]["status"], found["HugePages"]["reason"]) == condition
+    if condition[0] == "False":
+        assert (
+            "Mount a tmpfs with huge=within_size at /dev/shm/kvshm" in found["HugePages"]["message"]
+        )

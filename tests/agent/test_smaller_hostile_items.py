@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.agent.notify import EVENTS_RING
 from kvshm.ipc import MessageQueue
+from kvshm.region.drain_event import EVENTS_RING
 from tests.agent.hostile import (
     TENANT_UID,
     RunningAgent,

@@ -116,6 +116,18 @@ GOOD: dict[str, list[Edit]] = {
     "name of 128 characters is its own instanceId": [setting("metadata.name", "b" * 128)],
     "instanceId of 128 characters": [setting("spec.instanceId", "C" * 128)],
     "other namespace": [setting("metadata.namespace", "team-a")],
+    "numa by GPU address and UUID": [
+        setting(
+            "spec.numa.gpus",
+            [
+                "0000:1b:00.0",
+                "9A:00.1",
+                "00000000:3B:00.0",
+                "GPU-8f6c1a2b-1234-5678-9abc-def012345678",
+            ],
+        )
+    ],
+    "numa by nodes": [setting("spec.numa.nodes", [0, 1023])],
 }
 
 # case -> (edits, the field the API server names, what the parser's message says)
@@ -304,6 +316,40 @@ BAD: dict[str, tuple[list[Edit], str, str]] = {
         "spec.placement.nodeSelector",
         "at most 64",
     ),
+    "numa with gpus and nodes": (
+        [setting("spec.numa", {"gpus": ["1b:00.0"], "nodes": [0]})],
+        "spec.numa",
+        "either gpus",
+    ),
+    "numa with neither": ([setting("spec.numa", {})], "spec.numa", "either gpus"),
+    "numa not an object": ([setting("spec.numa", [0])], "spec.numa", "spec.numa"),
+    "numa gpu that is no GPU": (
+        [setting("spec.numa.gpus", ["gpu0"])],
+        "spec.numa.gpus[0]",
+        "is not a GPU",
+    ),
+    "numa gpu listed twice": (
+        [setting("spec.numa.gpus", ["1b:00.0", "1b:00.0"])],
+        "spec.numa.gpus[1]",
+        "twice",
+    ),
+    "numa node above 1023": (
+        [setting("spec.numa.nodes", [1024])],
+        "spec.numa.nodes[0]",
+        "0 to 1023",
+    ),
+    "numa node negative": ([setting("spec.numa.nodes", [-1])], "spec.numa.nodes[0]", "0 to 1023"),
+    "numa node as a string": (
+        [setting("spec.numa.nodes", ["0"])],
+        "spec.numa.nodes[0]",
+        "an integer",
+    ),
+    "no numa nodes": ([setting("spec.numa.nodes", [])], "spec.numa.nodes", "1 to 64"),
+    "too many numa gpus": (
+        [setting("spec.numa.gpus", [f"{bus:02x}:00.0" for bus in range(65)])],
+        "spec.numa.gpus",
+        "1 to 64",
+    ),
 }
 
 
@@ -329,6 +375,9 @@ def spec_of(region: OffloadRegion) -> dict[str, Any]:
         "reclaimPolicy": region.reclaim_policy.value,
         "access": {"uid": region.access.uid, "gid": region.access.gid, "mode": region.access.mode},
     }
+    if region.numa is not None:
+        numa = region.numa
+        spec["numa"] = {"gpus": list(numa.gpus)} if numa.gpus else {"nodes": list(numa.nodes)}
     placement = region.placement
     if placement.node_names or placement.node_selector:
         spec["placement"] = {}
@@ -371,3 +420,7 @@ def test_bounds_of_the_crd_are_the_parsers() -> None:
     assert nodes["spec.placement.nodeNames[*]"]["maxLength"] == api_resources.MAX_DNS_SUBDOMAIN
     assert nodes["spec.reclaimPolicy"]["enum"] == [p.value for p in api_resources.ReclaimPolicy]
     assert nodes["spec.layout.format"]["enum"] == [f.value for f in RegionFormat]
+    for key in ("gpus", "nodes"):
+        assert nodes[f"spec.numa.{key}"]["maxItems"] == api_resources.MAX_NUMA_ITEMS
+    assert nodes["spec.numa.nodes[*]"]["maximum"] == api_resources.MAX_NUMA_NODE
+    assert nodes["spec.numa.gpus[*]"]["pattern"] == f"^{api_resources._GPU_ID.pattern}$"

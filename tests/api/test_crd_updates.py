@@ -92,6 +92,19 @@ def test_instance_id_cannot_change_nor_come_nor_go(objects: Objects) -> None:
     assert "added or removed" in message
 
 
+def test_numa_cannot_change_nor_come_nor_go(objects: Objects) -> None:
+    """The pages were placed when the region was populated: a changed spec.numa would say
+    where they are not."""
+    objects.create_region(numa={"nodes": [0]})
+    assert "spec.numa is immutable" in refusal(
+        objects.patch_region, {"spec": {"numa": {"nodes": [1]}}}
+    )
+    assert "added or removed" in refusal(objects.patch_region, {"spec": {"numa": None}})
+    objects.create_region("r2")
+    message = refusal(objects.patch_region, {"spec": {"numa": {"nodes": [0]}}}, "r2")
+    assert "spec.numa cannot be added or removed" in message
+
+
 def test_everything_else_may_change_and_counts_as_a_generation(objects: Objects) -> None:
     objects.create_region()
     changes: list[dict[str, Any]] = [
@@ -144,3 +157,12 @@ def test_reclaim_results_use_the_outcome_vocabulary(objects: Objects) -> None:
     bad = {"status": {"reclaims": [{**result, "outcome": "refused_held"}]}}
     message = refusal(objects.patch_node_status, bad)
     assert '"Done", "RefusedHeld", "RefusedClaimed", "Failed"' in message
+
+
+def test_the_root_pages_use_the_huge_pages_vocabulary(objects: Objects) -> None:
+    objects.create_node()
+    pages = {"sizeBytes": 2097152, "huge": "within_size", "roundsUp": False}
+    stored = objects.patch_node_status({"status": {"pages": pages}})
+    assert stored["status"]["pages"] == pages
+    message = refusal(objects.patch_node_status, {"status": {"pages": {**pages, "huge": "yes"}}})
+    assert '"never", "within_size", "always", "advise", "deny", "force", "unknown"' in message

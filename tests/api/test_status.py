@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from kvshm.api import (
+    HugePages,
     InventoryFile,
     NodeInventory,
     NodeRegionPhase,
@@ -14,11 +15,16 @@ from kvshm.api import (
     ReclaimRequest,
     ReclaimResult,
     RetainedFile,
+    RootPages,
+    WarmIndexReport,
+    WarmIndexState,
     parse_node_reports,
     parse_offload_node,
 )
 from kvshm.api.messages import MAX_STATUS_MESSAGE
 from kvshm.api.reading import MAX_INVENTORY_FILES, parse_timestamp
+from kvshm.region import RegionLayout
+from tests.api.admission import CRD_DOCUMENTS
 
 MOMENT = datetime(2026, 11, 22, 12, 0, 0, 654321, tzinfo=UTC)
 
@@ -65,6 +71,7 @@ def test_every_record_reads_back_equal_from_its_own_json() -> None:
         observed_generation=4,
         files=3,
         last_transition_time=MOMENT,
+        warm_index=WarmIndexReport(WarmIndexState.WARM, "2 damaged records discarded", 7, MOMENT),
     )
     assert NodeReport.from_status(report.to_status()) == report
     assert len(report.message) == MAX_STATUS_MESSAGE and report.populate_seconds == 1.235
@@ -163,3 +170,59 @@ def test_timestamps() -> None:
     assert parse_timestamp("2026-11-22T12:00:00.5Z") == datetime(2026, 11, 22, 12, tzinfo=UTC)
     assert parse_timestamp("yesterday") is None
     assert parse_timestamp(None) is None
+
+
+def test_root_pages_read_back_as_written_and_leniently() -> None:
+    pages = RootPages(2 << 20, HugePages.WITHIN_SIZE, rounds_up=False)
+    inventory = NodeInventory(1 << 30, 1 << 29, pages=pages)
+    assert NodeInventory.from_status(inventory.to_status()) == inventory
+    status = inventory.to_status()
+    assert status["pages"] == {"sizeBytes": 2 << 20, "huge": "within_size", "roundsUp": False}
+    # a setting this reader does not know, and no roundsUp: read as rounding (never too much)
+    odd = NodeInventory.from_status({"pages": {"sizeBytes": 2 << 20, "huge": "sometimes"}})
+    assert odd.pages == RootPages(2 << 20, HugePages.UNKNOWN, rounds_up=True)
+    assert NodeInventory.from_status({"pages": {"sizeBytes": 0}}).pages is None
+    assert NodeInventory.from_status({}).pages is None
+
+
+def test_the_huge_pages_vocabulary_is_the_crds() -> None:
+    node_crd = next(c for c in CRD_DOCUMENTS if c["spec"]["names"]["kind"] == "OffloadNode")
+    schema = node_crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    enum = schema["properties"]["status"]["properties"]["pages"]["properties"]["huge"]["enum"]
+    assert enum == [member.value for member in HugePages]
+
+
+def test_what_a_root_holds_for_a_region_rounds_only_where_the_root_rounds() -> None:
+    # 32 files of 1057 rows of 1 MiB, the last of 1026: 31 files end 1 MiB into a huge page
+    layout = RegionLayout(33 * 1024 + 1, 1 << 20, 1)
+    assert layout.file_count == 32 and layout.rows_per_file == 1057
+    rounding = RootPages(2 << 20, HugePages.ALWAYS, rounds_up=True)
+    assert rounding.allocation_bytes(layout) == layout.size_bytes + 31 * (1 << 20)
+    assert RootPages(2 << 20, HugePages.WITHIN_SIZE).allocation_bytes(layout) == layout.size_bytes
+    assert NodeInventory().allocation_bytes(layout) == layout.size_bytes  # not measured yet
+
+
+def test_a_warm_index_reads_back_as_written_and_leniently() -> None:
+    cold = WarmIndexReport(WarmIndexState.COLD, "r" * (MAX_STATUS_MESSAGE + 1), 0, None)
+    assert len(cold.reason) == MAX_STATUS_MESSAGE
+    written = cold.to_status()
+    # every key, null ones too: a merge patch would keep a startedAt an earlier report wrote
+    assert set(written) == {"state", "reason", "chunks", "startedAt"}
+    assert written["startedAt"] is None and written["state"] == "Cold"
+    assert WarmIndexReport.from_status(written) == cold
+    odd = WarmIndexReport.from_status({"state": "Lukewarm", "chunks": -3, "reason": 7})
+    assert odd == WarmIndexReport(None, "", 0, None)
+    assert WarmIndexReport.from_status("warm") is None
+    # a report without one writes null (a merge patch then removes an earlier one)
+    plain = NodeReport(NodeRegionPhase.DRAINING)
+    assert plain.to_status()["warmIndex"] is None
+    assert NodeReport.from_status(plain.to_status()).warm_index is None
+
+
+def test_the_warm_index_vocabulary_is_the_crds() -> None:
+    region_crd = next(c for c in CRD_DOCUMENTS if c["spec"]["names"]["kind"] == "OffloadRegion")
+    schema = region_crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    node = schema["properties"]["status"]["properties"]["nodes"]["additionalProperties"]
+    warm = node["properties"]["warmIndex"]
+    assert warm["properties"]["state"]["enum"] == [member.value for member in WarmIndexState]
+    assert set(warm["properties"]) == set(WarmIndexReport(WarmIndexState.ABSENT).to_status())

@@ -60,7 +60,11 @@ def test_each_shared_module_imports(module: Path) -> None:
 def tiny_cpu_runs(directory: Path) -> dict[str, tuple[list[str], str]]:
     """Per CPU benchmark: arguments for a run of a few seconds, and a line its table prints."""
     where = ["--directory", str(directory)]
+    pages = ["--compare-pages", *where]
     idle = ["--idle-regions", "2", "--idle-region-mib", "8", "--idle-seconds", "1"]
+    tiny_warm_restart = ["--chunks", "200", "--requests", "300", "--rounds", "1"]
+    tiny_warm_restart += ["--restore-chunks", "100"]
+    warm_gpu_flow = ["--device", "cpu", "--chunks", "16", "--rounds", "1"]
     return {
         "ipc": (["bench/ipc/run.py", "--quick", "--cases", "64x1", "--repeat", "1"], "kvshm"),
         "agent": (
@@ -75,10 +79,40 @@ def tiny_cpu_runs(directory: Path) -> dict[str, tuple[list[str], str]]:
             ["bench/attach/run.py", "--quick", "--gib", "0.25", "--tp", "1", "2", *where],
             "kvshm attach of the agent's region",
         ),
+        "warm_restart": (
+            ["bench/warm_restart/run.py", *tiny_warm_restart, *where],
+            "kvshm/vLLM",
+        ),
+        # the GPU comparison's flow, on the CPU (kvshm's worker stands in for vLLM's)
+        "warm_restart-gpu-flow": (
+            ["bench/warm_restart/gpu.py", *warm_gpu_flow, *where],
+            "fs / kvshm",
+        ),
+        # huge pages against 4 KiB ones (issue 35): a huge-page tmpfs mounted for the run
+        "attach-pages": (
+            ["bench/attach/run.py", "--quick", "--gib", "0.25", "--tp", "2", *pages],
+            "open->ready, 4 KiB / 2 MiB pages",
+        ),
+        "plugin-pages": (
+            ["bench/vllm_plugin/pages.py", "--quick", "--layouts", "2mib-blocks", *where],
+            "2M/4K",
+        ),
     }
 
 
-@pytest.mark.parametrize("bench", ["ipc", "agent", "populate", "attach"])
+@pytest.mark.parametrize(
+    "bench",
+    [
+        "ipc",
+        "agent",
+        "populate",
+        "attach",
+        "attach-pages",
+        "plugin-pages",
+        "warm_restart",
+        "warm_restart-gpu-flow",
+    ],
+)
 def test_each_cpu_benchmark_finishes_a_tiny_run_and_leaves_nothing(
     bench: str, shm_dir: Path
 ) -> None:
@@ -121,3 +155,16 @@ def test_the_attention_layout_benchmark_finishes_a_tiny_run(reader: str, tmp_pat
     assert figures["reader"] == ("flash-attention" if reader == "auto" and runs_here else "proxy")
     assert [row["model"] for row in figures["models"]] == list(QUERY_HEADS)
     assert all(row["ratio"] > 0 for row in figures["models"])
+
+
+def test_the_populate_benchmark_compares_huge_pages_with_4_kib_ones(shm_dir: Path) -> None:
+    args, _ = tiny_cpu_runs(shm_dir)["populate"]
+    result = run(*args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = {line.split(",")[1].strip(): line for line in result.stdout.splitlines()
+            if line.strip().startswith("kvshm agent,")}  # fmt: skip
+    assert set(rows) == {"4 KiB pages", "2 MiB pages"}
+    assert rows["2 MiB pages"].rstrip().endswith("100%")  # every byte of it on huge pages
+    assert rows["4 KiB pages"].rstrip().endswith(" 0%")
+    assert "goal (issue 35): kvshm agent on 2 MiB pages >= 2.5x" in result.stdout
+    assert "kvshm-bench-huge-" not in Path("/proc/self/mountinfo").read_text()  # unmounted

@@ -14,7 +14,11 @@ from tests.charts.tools import CHART, run, tool
 
 MONITORING_API = "monitoring.coreos.com/v1"
 # every values file a user is pointed at: the defaults and the examples in ci/
-EXAMPLE_VALUES: tuple[Path | None, ...] = (None, *sorted((CHART / "ci").glob("*.yaml")))
+EXAMPLE_VALUES: tuple[Path | None, ...] = (
+    None,
+    CHART / "values-production.yaml",
+    *sorted((CHART / "ci").glob("*.yaml")),
+)
 
 
 def values_id(values: Path | None) -> str:

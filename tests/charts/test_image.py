@@ -15,11 +15,13 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from tests.charts.tools import REPO, run, tool
+from tests.source_roots import SOURCE_ROOTS
 
 DOCKERFILE = REPO / "Dockerfile"
 CONFIG = REPO / ".hadolint.yaml"
 CONSTRAINTS = REPO / "constraints" / "runtime.txt"
 DOCKERIGNORE = REPO / ".dockerignore"
+SERVING_DOCKERFILE = REPO / "examples" / "serving" / "Dockerfile"
 IMAGE_EXTRAS = ("agent", "operator")
 
 
@@ -91,7 +93,7 @@ def test_image_installs_agent_and_operator_extras_without_torch() -> None:
     for extra in installed.group(1).split(","):
         names |= _requirements(extra, extras["optional-dependencies"])
     assert not {n for n in names if n.startswith(("torch", "nvidia", "triton"))}
-    assert "sidecar" not in installed.group(1)
+    assert "transfer" not in installed.group(1) and "vllm" not in installed.group(1)
 
 
 def _installed_closure(requirements: list[Requirement]) -> dict[str, str]:
@@ -129,7 +131,7 @@ def _image_requirements() -> list[Requirement]:
 
 def test_constraints_are_the_tested_versions_of_the_runtime_dependencies_only() -> None:
     """constraints/runtime.txt pins exactly what the image installs, at the versions installed
-    here (where the tests ran): no test or sidecar package, none missing, none stale."""
+    here (where the tests ran): no test or serving-pod package, none missing, none stale."""
     tested = _installed_closure(_image_requirements())
     wanted = [f"{name}=={version}" for name, version in sorted(tested.items())]
     pinned = [
@@ -197,13 +199,22 @@ def test_the_build_context_leaves_out_the_local_environment(path: str) -> None:
     assert _ignored(path, _dockerignore()), path
 
 
-def test_the_build_context_keeps_everything_the_dockerfile_copies() -> None:
-    sources = [
+def _copied(dockerfile: Path) -> list[str]:
+    return [
         source
-        for line in DOCKERFILE.read_text().splitlines()
+        for line in dockerfile.read_text().splitlines()
         if line.startswith("COPY ") and "--from=" not in line
         for source in line.split()[1:-1]
     ]
-    assert "agent" in sources and "operator" in sources
-    kept = [*sources, "agent/kvshm/agent/cli.py", "operator/kvshm/operator/main.py"]
+
+
+def test_the_build_context_keeps_everything_the_dockerfiles_copy() -> None:
+    """One context for both images (.dockerignore): the agent and operator image copies every
+    source root but serving/; the serving image every root."""
+    image = _copied(DOCKERFILE)
+    assert {"agent", "common", "cli", "operator"} <= set(image) and "serving" not in image
+    serving = _copied(SERVING_DOCKERFILE)
+    roots = {root.name for root in SOURCE_ROOTS}
+    assert roots <= {Path(source).name for source in serving}, serving
+    kept = [*image, *serving, "agent/kvshm/agent/cli.py", "serving/kvshm/vllm/spec.py"]
     assert [path for path in kept if _ignored(path, _dockerignore())] == []

@@ -9,6 +9,7 @@ changed; the server may only add its defaults)."""
 from __future__ import annotations
 
 import secrets
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from tests.envtest.fixtures import ChartAccounts
 from tests.envtest.server import EnvTest
 from tests.waiting import wait_for
 
-VALUES_FILES = sorted((CHART / "ci").glob("*.yaml"))
+VALUES_FILES = [CHART / "values-production.yaml", *sorted((CHART / "ci").glob("*.yaml"))]
 # namespaces the values files expect to exist (kube-prometheus-stack's; the operator's watch list)
 EXPECTED_NAMESPACES = ("monitoring", "default", "kvshm-test")
 MONITORING_GROUP = "monitoring.coreos.com"
@@ -171,7 +172,7 @@ def test_helm_install_is_accepted_by_the_api_server(
         kinds = {m["kind"] for m in manifests}
         assert {"DaemonSet", "Deployment", "ClusterRole", "ServiceAccount"} <= kinds
         monitoring = {m["kind"] for m in manifests if m["apiVersion"].startswith(MONITORING_GROUP)}
-        enabled = values is None or "gpu-cluster" in values.name  # kind-values turns it off
+        enabled = values is None or "production" in values.name  # kind-values turns it off
         assert bool(monitoring) == (prometheus_operator and enabled), monitoring
         for manifest in manifests:
             kept = stored(envtest_admin, manifest)
@@ -188,27 +189,26 @@ def test_helm_install_is_accepted_by_the_api_server(
 def test_the_crd_upgrade_hooks_command_with_its_own_token(
     envtest: EnvTest, chart_accounts: ChartAccounts, tmp_path: Path
 ) -> None:
-    """The pre-upgrade Job's container command, as rendered, run as its ServiceAccount (RBAC
-    by the chart: get/patch of kvshm's two CRDs, create) on the files its ConfigMap mounts."""
+    """The pre-upgrade Job's container command, as rendered (kvshm-apply-crds in the chart's own
+    image), run as its ServiceAccount (RBAC by the chart: get/patch of kvshm's two CRDs,
+    create) on the files its ConfigMap mounts."""
     objects = render()
     job = find(objects, "Job", "-crd-upgrade")
     container = job["spec"]["template"]["spec"]["containers"][0]
+    deployment = find(objects, "Deployment", "-operator")
+    assert container["image"] == deployment["spec"]["template"]["spec"]["containers"][0]["image"]
     mount = next(m for m in container["volumeMounts"] if m["name"] == "crds")["mountPath"]
     crds = tmp_path / "crds"
     crds.mkdir()
     for name, text in find(objects, "ConfigMap", "-crd-upgrade")["data"].items():
         (crds / name).write_text(text)
-    command = [
-        str(crds) + "/" if arg == mount.rstrip("/") + "/" or arg == mount else arg
-        for arg in [*container["command"], *container["args"]]
-    ]
-    assert command[0] == "kubectl" and str(crds) + "/" in command, command
+    command = [str(crds) if arg == mount else arg for arg in container["command"]]
+    assert command == ["kvshm-apply-crds", str(crds)], command
     kubeconfig = chart_accounts.kubeconfig("crd-upgrade", tmp_path / "hook.kubeconfig")
-    home = {env["name"]: env["value"] for env in container.get("env", ())}["HOME"]
-    assert home == "/tmp"
     result = run(
-        "env", f"HOME={tmp_path}", tool("kubectl"), *command[1:], "--kubeconfig", str(kubeconfig)
-    )
+        "env", f"KUBECONFIG={kubeconfig}", str(Path(sys.executable).parent / command[0]),
+        *command[1:],
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     shipped = {
         doc["metadata"]["name"]
@@ -231,6 +231,33 @@ def test_the_crd_upgrade_hooks_command_with_its_own_token(
         "customresourcedefinitions.apiextensions.k8s.io", "--kubeconfig", str(kubeconfig),
     )  # fmt: skip
     assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), refused.stderr
+
+
+def test_the_crd_upgrade_command_refuses_what_is_not_a_kvshm_crd(tmp_path: Path) -> None:
+    """A ConfigMap edited to carry anything else (another group's CRD, a ClusterRole) is refused
+    before anything is sent, naming the file and what it held."""
+    apply_crds = str(Path(sys.executable).parent / "kvshm-apply-crds")
+    cases = {
+        "role.yaml": "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\n"
+        "metadata: {name: x}\n",
+        "other.yaml": "apiVersion: apiextensions.k8s.io/v1\nkind: CustomResourceDefinition\n"
+        "metadata: {name: a.example.com}\nspec: {group: example.com}\n",
+        "list.yaml": "- 1\n- 2\n",
+        "broken.yaml": "a: [\n",
+    }
+    for name, text in cases.items():
+        folder = tmp_path / name.removesuffix(".yaml")
+        folder.mkdir()
+        (folder / name).write_text(text)
+        result = run(apply_crds, str(folder))
+        assert result.returncode == 2, (name, result.stdout, result.stderr)
+        assert (f"{folder / name}:" in result.stderr and "kvshm.dev" in result.stderr) or (
+            name == "broken.yaml" and "not YAML" in result.stderr
+        ), result.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run(apply_crds, str(empty))
+    assert result.returncode == 2 and "no *.yaml file" in result.stderr, result.stderr
 
 
 def test_the_chart_refuses_kubernetes_older_than_the_tested_1_28() -> None:
@@ -291,3 +318,34 @@ def test_the_agents_priority_quota_covers_the_agents_pods_and_nothing_else(
         create(agent_pod)
     assert refused.value.status == 403 and "exceeded quota" in str(refused.value.body)
     assert create(other_pod).spec.priority in (None, 0)  # a full quota leaves other pods alone
+
+
+def test_the_notes_warn_of_taints_the_agent_does_not_tolerate(
+    envtest: EnvTest, envtest_namespace: str, tmp_path: Path
+) -> None:
+    """NOTES.txt looks the nodes up: with the default values (no toleration) a GPU node's
+    taint means no agent there, and helm install says so; the production values tolerate it."""
+    with envtest.api_client() as admin:
+        core = kubernetes.client.CoreV1Api(admin)
+        for name, taint in (
+            ("gpu-1", "nvidia.com/gpu"),
+            ("gpu-2", "nvidia.com/gpu"),
+            ("cpu", None),
+        ):
+            spec = {"taints": [{"key": taint, "value": "present", "effect": "NoSchedule"}]}
+            core.create_node(
+                {
+                    "metadata": {"name": name, "labels": {"nvidia.com/gpu.present": "true"}},
+                    "spec": spec if taint else {},
+                }
+            )
+    cases = {"defaults": [], "production": ["-f", str(CHART / "values-production.yaml")]}
+    for case, values in cases.items():
+        release = f"notes-{case}"
+        output = helm(
+            envtest, tmp_path, "install", release, str(CHART), "-n", envtest_namespace,
+            "--dry-run=server", *values,
+        )  # fmt: skip
+        warned = "WARNING: 2 node(s) matching agent.nodeSelector carry the taint nvidia.com/gpu"
+        assert (warned in output) == (case == "defaults"), output[output.find("NOTES") :]
+        assert "KVSHM_INSTANCE_ID" not in output

@@ -22,7 +22,7 @@ def test_helm_lint_strict(values: Path | None) -> None:
 
 def test_there_is_an_example_for_gpu_and_for_kind_clusters() -> None:
     assert {p.stem for p in EXAMPLE_VALUES if p is not None} >= {
-        "gpu-cluster-values",
+        "values-production",
         "kind-values",
     }
 

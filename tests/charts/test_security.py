@@ -90,8 +90,15 @@ def test_agent_mounts_the_region_root_typed_and_knows_its_node() -> None:
     container = spec["containers"][0]
     mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
     assert mount["mountPath"] == "/dev/shm/kv" and not mount.get("readOnly")
-    # the only hostPath is the region root
-    assert [v["name"] for v in spec["volumes"] if "hostPath" in v] == [volume["name"]]
+    # the hostPaths are the region root and, read-only, the host's lock table (holders)
+    host_paths = {v["name"]: v["hostPath"] for v in spec["volumes"] if "hostPath" in v}
+    assert host_paths == {
+        volume["name"]: volume["hostPath"],
+        "host-lock-table": {"path": "/proc/locks", "type": "File"},
+    }
+    [locks] = [m for m in container["volumeMounts"] if m["name"] == "host-lock-table"]
+    assert locks["readOnly"] is True
+    assert f"--lock-table={locks['mountPath']}" in container["args"]
     node_name = next(e for e in container["env"] if e["name"] == "NODE_NAME")
     assert node_name["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert daemonset["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == 1
@@ -106,7 +113,7 @@ def test_agent_probes_use_its_endpoints() -> None:
 
 
 def test_gpu_example_places_agents_on_gpu_nodes_with_priority() -> None:
-    gpu = next(v for v in EXAMPLE_VALUES if v is not None and v.stem == "gpu-cluster-values")
+    gpu = next(v for v in EXAMPLE_VALUES if v is not None and v.stem == "values-production")
     _, spec = _agent(render(gpu))
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[

@@ -14,18 +14,22 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvshm.api import parse_offload_region
 from kvshm.cli import main
+from kvshm.region import RegionLayout
 from tests.charts.rendering import load_yaml_documents
 from tests.charts.tools import CHART, REPO
 
 EXAMPLE = REPO / "examples" / "serving"
 # (regions file, deployment file)
 DATA_PARALLEL = EXAMPLE / "data-parallel"
+QUICKSTART = EXAMPLE / "quickstart"
 EXAMPLES = [
     (EXAMPLE / "offloadregion.yaml", EXAMPLE / "deployment.yaml"),
+    (QUICKSTART / "offloadregion.yaml", QUICKSTART / "deployment.yaml"),
     (DATA_PARALLEL / "offloadregions.yaml", DATA_PARALLEL / "deployment.yaml"),
 ]
-IDS = ["single", "data-parallel"]
+IDS = ["single", "quickstart", "data-parallel"]
 
 
 def _objects(example: tuple[Path, Path]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -38,24 +42,9 @@ def _env(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
 
-def _row_stride(layout: dict[str, Any]) -> int:
-    copies = 1 if layout["replicated"] else layout["numWorkers"]
-    return -(-layout["cpuPageSize"] * copies // 4096) * 4096
-
-
-def region_files(region: dict[str, Any]) -> list[tuple[str, int]]:
-    """vLLM 0.33's files for a region and their sizes (the brief's vllm-0.33 format rule)."""
-    layout = region["spec"]["layout"]
-    rows, stride = layout["numBlocks"], _row_stride(layout)
-    files = 1
-    if layout["format"] == "vllm-0.33":
-        files = max(1, min(32, rows * stride // 2**30))
-    per_file = max(1, -(-rows // files))
-    base = f"vllm_offload_{region['spec']['instanceId']}.mmap"
-    return [
-        (f"{base}.{i}" if i else base, min(per_file, rows - row) * stride)
-        for i, row in enumerate(range(0, rows, per_file))
-    ]
+def _layout(region: dict[str, Any]) -> RegionLayout:
+    """The region's layout as the agent reads it from the manifest."""
+    return parse_offload_region(region).layout
 
 
 def _layout_command(path: Path) -> list[str]:
@@ -120,11 +109,15 @@ def test_every_region_file_is_at_dev_shm_and_waited_for(example: tuple[Path, Pat
     assert set(waits) == {r["spec"]["instanceId"] for r in regions}
     for region in regions:
         directory = f"{root}/{region['metadata']['namespace']}/{region['metadata']['name']}"
-        whole_dir = {"path": directory, "type": "Directory"}
+        # a whole directory mounted at /dev/shm may be made by the kubelet before the region
+        # (the init container then waits); with each file mounted, the files must be there
+        kind = "DirectoryOrCreate" if len(regions) == 1 else "Directory"
+        whole_dir = {"path": directory, "type": kind}
         if len(regions) == 1:  # the region's directory is the engine's /dev/shm
             assert engine_mounts["/dev/shm"]["hostPath"] == whole_dir
         else:  # each file mounted into /dev/shm from its region's directory
-            for name, _ in region_files(region):
+            for file in _layout(region).files(region["spec"]["instanceId"]):
+                name = file.name
                 mounted = engine_mounts[f"/dev/shm/{name}"]["hostPath"]
                 assert mounted == {"path": f"{directory}/{name}", "type": "File"}
         wait = waits[region["spec"]["instanceId"]]
@@ -134,7 +127,7 @@ def test_every_region_file_is_at_dev_shm_and_waited_for(example: tuple[Path, Pat
         assert _env(wait) == {
             "KVSHM_INSTANCE_ID": region["spec"]["instanceId"],
             "KVSHM_NUM_BLOCKS": str(layout["numBlocks"]),
-            "KVSHM_ROW_STRIDE": str(_row_stride(layout)),
+            "KVSHM_ROW_STRIDE": str(_layout(region).row_stride),
             "KVSHM_FORMAT": layout["format"],
         }
         assert wait["command"] == ["sh", "/kvshm/wait-for-region.sh"]
@@ -173,7 +166,12 @@ SERVING_DEPLOYMENTS = sorted(
 
 def test_every_serving_example_is_found() -> None:
     found = {path.relative_to(EXAMPLE).as_posix() for path, _ in SERVING_DEPLOYMENTS}
-    assert found >= {"deployment.yaml", "plugin/deployment.yaml", "data-parallel/deployment.yaml"}
+    assert found >= {
+        "deployment.yaml",
+        "quickstart/deployment.yaml",
+        "plugin/deployment.yaml",
+        "data-parallel/deployment.yaml",
+    }
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ import yaml
 
 from kvshm.region import RegionFormat, RegionLayout
 from tests.agent_region import agent_made_region
-from tests.charts.test_serving_example import region_files
 from tests.charts.tools import REPO
 
 SCRIPT = yaml.safe_load((REPO / "examples/serving/wait-for-region.yaml").read_text())["data"][
@@ -60,20 +59,8 @@ def test_a_populated_single_file_region_lets_the_pod_start(shm_dir: Path) -> Non
 def test_every_segment_of_a_vllm_033_region_is_waited_for(shm_dir: Path) -> None:
     """A 3 GiB region is 3 files for vLLM 0.33 (sparse here: sized, never populated)."""
     rows, stride = 1000, 800 * 4096  # 3.05 GiB
-    region = {
-        "metadata": {},
-        "spec": {
-            "instanceId": "engine_dp1",
-            "layout": {
-                "format": "vllm-0.33",
-                "numBlocks": rows,
-                "cpuPageSize": stride,
-                "numWorkers": 1,
-                "replicated": False,
-            },
-        },
-    }
-    files = region_files(region)
+    layout = RegionLayout(rows, stride, 1, RegionFormat.VLLM_0_33)
+    files = [(file.name, file.length) for file in layout.files("engine_dp1")]
     assert [name for name, _ in files] == [
         "vllm_offload_engine_dp1.mmap",
         "vllm_offload_engine_dp1.mmap.1",

@@ -26,9 +26,9 @@ def tool(name: str) -> str:
 
 
 def run(
-    *args: str, input: str | None = None, timeout: float = 60
+    *args: str, input: str | None = None, timeout: float = 60, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run a command; the result carries stdout and stderr for assertions and messages."""
     return subprocess.run(
-        args, input=input, capture_output=True, text=True, timeout=timeout, check=False
+        args, input=input, capture_output=True, text=True, timeout=timeout, check=False, cwd=cwd
     )

@@ -18,6 +18,7 @@ import kubernetes
 import pytest
 
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
+from tests.envtest.audit import AuditPolicy
 from tests.envtest.chart import RELEASE, apply_crds, install_rbac, service_account_token
 from tests.envtest.server import EnvTest, MissingAssetsError, start_envtest
 
@@ -43,10 +44,11 @@ class ChartAccounts:
 
 @pytest.fixture(scope="session")
 def envtest() -> Iterator[EnvTest]:
-    """etcd + kube-apiserver v1.28 for the session, with charts/kvshm/crds applied."""
+    """etcd + kube-apiserver v1.28 for the session, with charts/kvshm/crds applied; its audit
+    log holds every write of kvshm.dev objects and Events (tests count the operator's)."""
     with contextlib.ExitStack() as stack:
         try:
-            server = stack.enter_context(start_envtest())
+            server = stack.enter_context(start_envtest(audit=AuditPolicy.WRITES))
         except MissingAssetsError as exc:
             pytest.fail(str(exc), pytrace=False)
         with server.api_client() as client:

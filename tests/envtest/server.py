@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -26,6 +27,8 @@ from pathlib import Path
 import kubernetes
 import yaml
 
+from tests.envtest.audit import AuditLog, AuditPolicy, policy_document
+
 REPO = Path(__file__).resolve().parents[2]
 ASSETS_VARIABLE = "KUBEBUILDER_ASSETS"
 DEFAULT_ASSETS = REPO / ".tools" / "envtest"
@@ -34,6 +37,7 @@ ADMIN_USER = "envtest-admin"
 # The audience and issuer a cluster's service-account tokens carry (kubernetes.default.svc).
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc"
 START_TIMEOUT_SECONDS = 60.0
+AUDIT_LOG_MAX_MB = 1_000_000
 
 
 class MissingAssetsError(RuntimeError):
@@ -76,6 +80,7 @@ class EnvTest:
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
     port: int = 0
     etcd_port: int = 0
+    audit: AuditPolicy | None = None  # None: no audit log (every request costs a log line)
     _processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -86,6 +91,11 @@ class EnvTest:
     def ca_file(self) -> Path:
         # kube-apiserver's self-signed serving certificate (written to --cert-dir)
         return self.workdir / "certs" / "apiserver.crt"
+
+    @property
+    def audit_log(self) -> AuditLog:
+        """The server's audit log (empty unless started with an `audit` policy)."""
+        return AuditLog(self.workdir / "audit.log")
 
     def log(self, name: str) -> str:
         path = self.workdir / f"{name}.log"
@@ -172,6 +182,16 @@ class EnvTest:
         """Start (or start again, on the same port and etcd) the API server; wait for /readyz."""
         keys = self.workdir / "keys"
         self.port = self.port or free_port()
+        audit = []
+        if self.audit is not None:
+            policy = self.workdir / "audit-policy.yaml"
+            policy.write_text(json.dumps(policy_document(self.audit, ADMIN_USER)))
+            audit = [
+                f"--audit-policy-file={policy}",
+                f"--audit-log-path={self.audit_log.path}",
+                # never rotated (the default is at 100 MB): AuditLog reads it by offsets
+                f"--audit-log-maxsize={AUDIT_LOG_MAX_MB}",
+            ]
         self._spawn(
             "kube-apiserver",
             [
@@ -189,6 +209,7 @@ class EnvTest:
                 "--service-cluster-ip-range=10.0.0.0/24",
                 "--endpoint-reconciler-type=none",
                 "--allow-privileged=true",  # the agent DaemonSet is privileged, as on a cluster
+                *audit,
             ],
         )
         self._wait_http(f"{self.url}/readyz", "kube-apiserver", tls=True)
@@ -239,15 +260,18 @@ class EnvTest:
 
 
 @contextlib.contextmanager
-def start_envtest(assets: Path | None = None) -> Iterator[EnvTest]:
-    """etcd and kube-apiserver from `assets` (default: assets_dir()), stopped and removed after.
+def start_envtest(
+    assets: Path | None = None, audit: AuditPolicy | None = None
+) -> Iterator[EnvTest]:
+    """etcd and kube-apiserver from `assets` (default: assets_dir()), stopped and removed after;
+    with `audit`, the server logs the requests that policy names (EnvTest.audit_log).
 
     The data directory is on /dev/shm when it exists: etcd fsyncs every write.
     """
     folder = assets or assets_dir()
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     workdir = Path(tempfile.mkdtemp(prefix="kvshm-envtest-", dir=base))
-    server = EnvTest(folder, workdir)
+    server = EnvTest(folder, workdir, audit=audit)
     try:
         server._make_keys()
         server._start_etcd()

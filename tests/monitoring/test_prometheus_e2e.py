@@ -88,6 +88,9 @@ def _start_operator(accounts: ChartAccounts, work: Path) -> tuple[Background, st
     )
     with accounts.server.api_client() as admin:
         ensure_namespace(admin, NAMESPACE)
+        # the node the agent reports for exists, as in a cluster: an OffloadNode with no Node and
+        # no heartbeat is a gone node's, which the operator deletes (its sweep then ends)
+        apply(admin, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
         apply(admin, offload_node_manifest())
         for name in ("llama", "mistral"):
             apply(admin, region_manifest(name))

@@ -25,6 +25,7 @@ from kvshm.operator.cluster import ClusterSnapshot
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 GIB = 2**30
 SILENCE = 60.0
+FINALIZER = "kvshm.dev/operator"
 
 
 def region(
@@ -125,3 +126,39 @@ def file(
         held=held,
         orphaned_since=orphaned_since,
     )
+
+
+def region_body(
+    *,
+    nodes: dict[str, str] | None = None,
+    status: dict[str, Any] | None = None,
+    finalizers: list[str] | None = None,
+    deleting: bool = False,
+    placement: dict[str, Any] | None = None,
+    generation: int = 1,
+    policy: str = "Delete",
+) -> dict[str, Any]:
+    """Region team/r1 as the API server hands it over (a plain object, as kopf's bodies are)."""
+    meta: dict[str, Any] = {"name": "r1", "namespace": "team", "uid": "u1"}
+    meta["generation"] = generation
+    if finalizers is not None:
+        meta["finalizers"] = finalizers
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-22T11:59:00Z"
+    written = dict(status or {})
+    if nodes:
+        written["nodes"] = {
+            node: {"phase": phase, "observedGeneration": generation}
+            for node, phase in nodes.items()
+        }
+    return {
+        "apiVersion": "kvshm.dev/v1alpha1",
+        "kind": "OffloadRegion",
+        "metadata": meta,
+        "spec": {
+            "layout": {"numBlocks": 16, "cpuPageSize": 4096},
+            "placement": placement if placement is not None else {"nodeNames": ["a"]},
+            "reclaimPolicy": policy,
+        },
+        "status": written,
+    }

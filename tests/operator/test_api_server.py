@@ -33,8 +33,10 @@ def test_operator_starts_and_gets_a_region_ready(
     assert status["observedGeneration"] == 1
     assert api_operator.process is not None and api_operator.process.poll() is None
     assert "BadRequest" not in api_operator.output()  # kopf's watches were refused with 400
-    # each line about a region names it
-    assert f"[{api_cluster.namespace}/r1] Handler 'validate' succeeded" in api_operator.output()
+    # each line about a region names it; the book logs it once its write's answer is back, which
+    # can be after the Ready status reached this test's watch
+    line = f"[{api_cluster.namespace}/r1] status Ready: ready on 2/2 nodes"
+    wait_for(lambda: line in api_operator.output(), 10, f"the operator to log {line!r}")
     for agent in api_agents.values():
         assert agent.files() == [region_file(api_cluster, "r1")]
     api_cluster.delete_region("r1")
@@ -248,9 +250,11 @@ def test_an_api_server_restart_under_running_agents_and_operator(
         assert agent.files() == [region_file(api_cluster, n) for n in ("after", "before")]
 
 
-def test_kopf_keeps_its_progress_in_status_where_a_regions_author_cannot_forge_it(
+def test_no_record_a_regions_author_can_forge_releases_it(
     api_cluster: Cluster, api_agents: dict[str, Agent], api_operator: OperatorProcess
 ) -> None:
+    """The operator keeps no kopf records in a region (each was a write): a release is decided
+    from the agents' reports alone, whatever the region's annotations say."""
     agent = api_agents["node-a"]
     agent.stop()
     agent.extra = ("--drain-grace-seconds", "120")  # it waits for the holder below, not 2 s
@@ -261,15 +265,10 @@ def test_kopf_keeps_its_progress_in_status_where_a_regions_author_cannot_forge_i
     holder = Holder(held, "r1", mode="attach")  # a serving pod: the deletion must wait for it
     try:
         api_cluster.delete_region("r1")
-        wait_for(
-            lambda: "release" in (api_cluster.status("r1").get("kopf") or {}).get("progress", {}),
-            30,
-            "the release handler's progress in status.kopf.progress",
-        )
+        api_cluster.wait_phase("r1", "Terminating", timeout=30)
         region = api_cluster.region("r1")
         assert region is not None
-        record = region["status"]["kopf"]["progress"]["release"]  # the CRD keeps all of it
-        assert record["retries"] >= 1 and record["delayed"] and record["purpose"] == "delete"
+        assert "kopf" not in region["status"]
         assert not [a for a in region["metadata"].get("annotations", {}) if "kvshm.dev" in a]
         # what an author may write: a record of release as done, where kopf used to keep it
         done = {"started": "2026-01-01T00:00:00", "stopped": "2026-01-01T00:00:01"}
@@ -283,10 +282,26 @@ def test_kopf_keeps_its_progress_in_status_where_a_regions_author_cannot_forge_i
             "r1",
             {"metadata": {"annotations": forged}},
         )
-        time.sleep(3 * TEST_CONFIG.deletion_poll_seconds + 1)  # several of release's retries
+        time.sleep(3 * TEST_CONFIG.deletion_poll_seconds + 1)  # several re-checks of the drain
         region = api_cluster.region("r1")
         assert region is not None, "released while a process still held the region"
         assert FINALIZER in region["metadata"]["finalizers"]
     finally:
         holder.kill()
     api_cluster.wait_gone("r1", timeout=30)
+
+
+def test_an_operator_started_over_more_nodes_than_kopf_had_workers_gets_regions_ready(
+    api_cluster: Cluster, api_agents: dict[str, Agent], operator_kubeconfig: Path, tmp_path: Path
+) -> None:
+    """kopf's workers wait, holding their slots, until every object of every kind listed at
+    start is indexed: with the old limit of 256 workers, 300 Nodes deadlocked the operator at
+    start (it read watch events into memory and did nothing: 1.9 GB after 15 minutes)."""
+    for index in range(300):
+        api_cluster.add_node(f"idle-{index:03d}")
+    api_cluster.create_region("r1", placement={"nodeNames": ["node-a"]})
+    operator = OperatorProcess(operator_kubeconfig, tmp_path).start()
+    try:
+        api_cluster.wait_phase("r1", "Ready", timeout=90)
+    finally:
+        operator.kill()

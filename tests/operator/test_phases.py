@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from kvshm.api import NodeRegionPhase, NodeReport, RegionPhase
-from kvshm.operator.conditions import ConditionType
+from kvshm.api.conditions import ConditionType
 from kvshm.operator.phases import derive_invalid, derive_status, status_patch, worth_writing
 from tests.operator.builders import NOW, agent, cluster, region, reports
 
@@ -152,6 +152,7 @@ def test_a_spec_turned_invalid_drops_the_size_of_the_valid_one() -> None:
     invalid = status_patch(valid, derive_invalid("spec.layout: bad", 2), NOW)
     assert invalid["nodesWanted"] == 0
     assert "sizeBytes" in invalid and invalid["sizeBytes"] is None  # null: removed
+    assert "size" in invalid and invalid["size"] is None
     assert "sizeBytes" not in status_patch({}, derive_invalid("spec.layout: bad", 2), NOW)
 
 
@@ -160,6 +161,7 @@ def test_status_patch_is_empty_when_status_is_current() -> None:
     first = status_patch({}, derived, NOW)
     assert first["phase"] == "Ready"
     assert (first["nodesReady"], first["nodesWanted"], first["sizeBytes"]) == (2, 2, 2**30)
+    assert first["size"] == "1Gi"  # the Size column kubectl prints
     assert status_patch(first, derived, NOW + timedelta(minutes=5)) == {}
 
 

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 
-import kopf
-import pytest
-
-from kvshm.operator import handlers
-from kvshm.operator.config import OperatorConfig
+from kvshm.api import HugePages, RootPages, parse_offload_region
 from kvshm.operator.placement import PlacementReason, Verdict, place
 from tests.operator.builders import agent, cluster, region
 
@@ -85,34 +81,22 @@ def test_an_agent_that_has_not_measured_its_root_yet_waits() -> None:
     assert "not measured" in result.message
 
 
-def _validate_delay(retry: int) -> float:
-    """The delay kopf is given to validate again a region placed on a node without an agent
-    (the node exists; its agent never reports), at kopf's retry number `retry`."""
+def test_a_node_whose_root_rounds_file_tails_up_needs_room_for_the_rounding() -> None:
+    """32 files of 1057 MiB: a root that takes a whole huge page for each file's last partial
+    one holds 31 MiB more than the region's size; its agent says so in status.pages."""
     manifest = {
-        "apiVersion": "kvshm.dev/v1alpha1",
-        "kind": "OffloadRegion",
-        "metadata": {"name": "r1", "namespace": "team", "generation": 1},
-        "spec": {
-            "layout": {"numBlocks": 16, "cpuPageSize": 4096},
-            "placement": {"nodeNames": ["a"]},
-        },
+        "metadata": {"name": "odd", "namespace": "team"},
+        "spec": {"layout": {"numBlocks": 33 * 1024 + 1, "cpuPageSize": 2**20}},
     }
-    config = OperatorConfig(placement_retry_seconds=10.0)
-    with pytest.raises(kopf.TemporaryError) as waiting:
-        asyncio.run(
-            handlers.validate(
-                body=kopf.Body(manifest),
-                memo=kopf.Memo(config=config),
-                retry=retry,
-                node_labels={"a": [{}]},
-                agents={},
-            )
-        )
-    assert "waiting for a" in str(waiting.value)
-    assert waiting.value.delay is not None
-    return waiting.value.delay
-
-
-def test_a_waiting_placement_is_validated_again_less_and_less_often() -> None:
-    assert [_validate_delay(retry) for retry in range(6)] == [10, 20, 40, 80, 160, 300]
-    assert _validate_delay(1000) == handlers.PLACEMENT_RETRY_MAX_SECONDS == 300
+    odd = parse_offload_region(manifest)
+    exact = dataclasses.replace(
+        agent("a").status, capacity_bytes=odd.size_bytes, free_bytes=odd.size_bytes
+    )
+    for pages, verdict in (
+        (RootPages(2**21, HugePages.WITHIN_SIZE), Verdict.ACCEPTED),
+        (RootPages(2**21, HugePages.ALWAYS, rounds_up=True), Verdict.REJECTED),
+    ):
+        node = dataclasses.replace(agent("a"), status=dataclasses.replace(exact, pages=pages))
+        result = place(odd, cluster(["a"], [node]))
+        assert result.verdict is verdict, result.message
+    assert str(odd.size_bytes + 31 * 2**20) in result.message

@@ -184,7 +184,7 @@ def test_an_orphan_of_a_killed_process_is_reclaimed_after_the_grace_period_not_b
         assert time.monotonic() - killed <= GRACE + 12
         wait_for(lambda: not requested(cluster, node), 10, "the answered request to be closed")
         reasons = {event["reason"] for event in cluster.events(node)}
-        assert {"ReclaimRequested", "Reclaimed"} <= reasons
+        assert {"ReclaimRequested", "ReclaimCompleted"} <= reasons
     assert sample("kvshm_operator_reclaims_requested_total") - requested_before == 1
     assert sample("kvshm_operator_reclaims_completed_total") - completed_before == 1
 

@@ -196,3 +196,34 @@ def test_a_cell_starting_mid_page_is_widened_to_whole_pages() -> None:
     # unpadded rows that are not whole pages: a page could hold two rows' cells, so whole rows
     unpadded = RegionLayout(num_blocks=2, cpu_page_size=cell, num_workers=3, format=UNPADDED)
     assert not unpadded.registers_cells_alone(1, 4096)
+
+
+HUGE = 2 * 1024 * 1024
+
+
+def test_huge_page_tails_and_what_a_rounding_filesystem_holds() -> None:
+    # Llama-3.1-70B at TP 4, 64 GiB: 32 files of 410 rows and one of 397; 5 MiB rows make a
+    # file of an odd number of rows end 1 MiB into a huge page
+    layout = RegionLayout(13107, 1310720, 4)
+    assert layout.file_count == 32 and layout.rows_per_file == 410
+    assert layout.huge_page_tail_bytes(HUGE) == 1 << 20  # the last file's 397 rows
+    assert layout.whole_huge_page_bytes(HUGE) == layout.size_bytes - (1 << 20)
+    assert layout.allocation_bytes(HUGE) == layout.size_bytes + (1 << 20)
+    assert layout.allocation_bytes(4096) == layout.size_bytes
+
+
+def test_the_largest_layout_of_whole_huge_page_files_loses_a_row_here() -> None:
+    layout = RegionLayout(13107, 1310720, 4)
+    aligned = layout.with_whole_huge_pages(HUGE)
+    assert aligned == RegionLayout(13106, 1310720, 4)
+    assert aligned.huge_page_tail_bytes(HUGE) == 0
+    assert aligned.whole_huge_page_bytes(HUGE) == aligned.size_bytes
+
+
+def test_whole_huge_page_files_need_rows_in_steps_the_row_stride_sets() -> None:
+    # 4096-byte rows: 512 to a huge page; 3 MiB rows: 2 to a huge page
+    assert RegionLayout(1000, 4096, 1).with_whole_huge_pages(HUGE).num_blocks == 512
+    assert RegionLayout(685, 786432, 4).with_whole_huge_pages(HUGE).num_blocks == 684
+    # too small for one huge page: left as it is
+    small = RegionLayout(3, 4096, 1)
+    assert small.with_whole_huge_pages(HUGE) is small

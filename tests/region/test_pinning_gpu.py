@@ -130,3 +130,36 @@ def test_a_worker_registers_only_its_cells_where_that_pays(shm_dir: Path) -> Non
     with SharedOffloadRegion("shared", replicated, 1, directory=str(shm_dir)) as region:
         assert region.pin(cells_only=True)
         assert region.pinned_bytes == replicated.size_bytes
+
+
+@pytest.mark.parametrize("cells_only", [False, True], ids=["whole-region", "cells-only"])
+def test_a_region_on_huge_pages_registers_and_round_trips(
+    huge_tmpfs: Path, cells_only: bool
+) -> None:
+    """On a tmpfs with huge pages: the agent's region registered whole, or (Llama-3.1-70B's
+    TP 4 cells: 1.25 MiB, not whole huge pages) rank 1's cells alone, registration pieces
+    ending inside huge pages; DMA both ways lands in rank 1's cells."""
+    from kvshm.region import memory
+    from kvshm.transfer.backends.cuda_driver import CudaDriver
+
+    driver = CudaDriver()
+    cell = 1310720
+    layout = RegionLayout(8, cell, 4)  # 40 MiB of 5 MiB rows: 20 huge pages
+    with SharedOffloadRegion("huge", layout, directory=str(huge_tmpfs)) as agent:
+        assert memory.huge_mapped_bytes(agent.address, layout.size_bytes) == layout.size_bytes
+        worker = SharedOffloadRegion("huge", layout, 1, directory=str(huge_tmpfs))
+        assert worker.pin(cells_only=cells_only)
+        assert worker.pinned_bytes == (8 * cell if cells_only else layout.size_bytes)
+        for block in range(8):
+            first = worker.address + layout.cell_offset(block, 1)
+            assert driver.device_pointer(first) == first
+            assert driver.device_pointer(first + cell - 1) == first + cell - 1
+        view = worker.create_next_view(cell)
+        source = torch.randint(-128, 128, view.shape, dtype=torch.int8, device="cuda")
+        view.copy_(source, non_blocking=True)
+        back = torch.empty_like(source)
+        back.copy_(view, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(back, source)
+        del view
+        worker.cleanup()

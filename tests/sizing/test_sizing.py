@@ -13,6 +13,7 @@ import yaml
 
 from kvshm.api import GROUP, REGION_PLURAL, VERSION, parse_offload_region
 from kvshm.cli import main
+from kvshm.region import RegionLayout
 from kvshm.sizing import (
     Parallelism,
     SizingError,
@@ -276,3 +277,26 @@ def test_cli_never_prints_an_offload_region_the_agent_refuses(
     code, out, err = _layout(capsys, model, "--id", "m", "--cpu-gib", "1", *args)
     assert code == 2 and not out
     assert "the OffloadRegion would be refused" in err and says in err
+
+
+def test_huge_pages_rounds_the_rows_so_every_file_is_whole_huge_pages(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Llama-3.1-70B at TP 4, 64 GiB: 5 MiB rows; 13107 rows leave the last file ending 1 MiB
+    into a huge page, 13106 do not."""
+    common = [str(MODELS / "llama-3.1-70b"), "--id", "l70", "--cpu-gib", "64", "--tp", "4"]
+    code, out, err = _layout(capsys, *common)
+    assert code == 0, err
+    plain = next(yaml.safe_load_all(out))["spec"]["layout"]
+    code, out, err = _layout(capsys, *common, "--huge-pages")
+    assert code == 0, err
+    aligned = next(yaml.safe_load_all(out))["spec"]["layout"]
+    assert (plain["numBlocks"], aligned["numBlocks"]) == (13107, 13106)
+    layout = RegionLayout(aligned["numBlocks"], aligned["cpuPageSize"], 4)
+    assert layout.huge_page_tail_bytes(2 << 20) == 0 and layout.file_count == 32
+    assert "--huge-pages: 13106 rows instead of 13107" in out
+    assert f"{5 << 20} bytes less per engine" in out
+    code, out, err = _layout(capsys, *common, "--huge-pages", "--flags-only")
+    flags = out.splitlines()
+    transfer = json.loads(flags[flags.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector_extra_config"]["cpu_bytes_to_use"] == layout.size_bytes

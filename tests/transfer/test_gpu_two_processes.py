@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import kvshm.region
+from tests.source_roots import pythonpath
 
 from .helpers import open_region, region_bytes, unpadded
 from .two_gpu_worker import worker_data
@@ -23,17 +23,12 @@ pytestmark = pytest.mark.gpu
 WORKER = Path(__file__).with_name("two_gpu_worker.py")
 
 
-def source_roots() -> str:
-    agent = Path(kvshm.region.__file__).resolve().parents[2]
-    return os.pathsep.join([str(agent), str(agent.parent / "operator")])
-
-
 def test_two_ranks_on_two_gpus_interleave_their_cells() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     num_blocks, block = 32, 256 * 1024
     instance = f"two-{uuid.uuid4().hex[:12]}"
-    env = {**os.environ, "PYTHONPATH": source_roots()}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     with open_region(
         "/dev/shm", unpadded(num_blocks, block, 2), None, instance_id=instance
     ) as region:

@@ -1,13 +1,14 @@
 """No kvshm module draws a stream from torch's pool (kvshm.transfer.streams says why): every
-call of torch.cuda.Stream(...) under agent/kvshm would be one. Read from the source, so that it
+call of torch.cuda.Stream(...) in kvshm's sources would be one. Read from the source, so that it
 holds in CI, where no GPU builds a handler."""
 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-KVSHM = Path(__file__).resolve().parents[2] / "agent" / "kvshm"
+from tests.source_roots import REPO, SOURCE_ROOTS
+
+KVSHM_ROOTS = [root / "kvshm" for root in SOURCE_ROOTS]
 
 
 def pooled_stream_calls(source: str) -> list[int]:
@@ -43,10 +44,10 @@ def test_the_check_finds_each_way_of_drawing_a_pooled_stream() -> None:
 
 
 def test_no_kvshm_module_draws_from_torchs_stream_pool() -> None:
-    modules = sorted(KVSHM.rglob("*.py"))
+    modules = sorted(path for root in KVSHM_ROOTS for path in root.rglob("*.py"))
     assert len(modules) > 20  # the tree was found
     found = {
-        str(path.relative_to(KVSHM)): lines
+        str(path.relative_to(REPO)): lines
         for path in modules
         if (lines := pooled_stream_calls(path.read_text()))
     }

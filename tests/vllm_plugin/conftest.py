@@ -52,15 +52,15 @@ def calibration_cache_home(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.fixture
 def measurements(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Every kvshm.vllm.calibration.Measurement the plugin takes in the test, in order."""
-    from kvshm.vllm import calibration
+    """Every kvshm.transfer.calibration Measurement the plugin takes in the test, in order."""
+    from kvshm.transfer.calibration import calibrate
 
     measured: list[Any] = []
-    real = calibration.measure
+    real = calibrate.measure
 
     def keeping(*args: Any, **kwargs: Any) -> Any:
         measured.append(real(*args, **kwargs))
         return measured[-1]
 
-    monkeypatch.setattr(calibration, "measure", keeping)
+    monkeypatch.setattr(calibrate, "measure", keeping)
     return measured

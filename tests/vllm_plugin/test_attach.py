@@ -8,14 +8,16 @@ import ctypes
 import fcntl
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from kvshm.region import RegionLayout, RegionResizedError
+from kvshm.region import RegionLayout, RegionResizedError, memory
 from kvshm.region.files import RegionFiles
 from kvshm.vllm.attach import RegionCellsOutOfSpace, RegionGeometryMismatch, attach_region
 from kvshm.vllm.geometry import RegionGeometry
+from tests.huge_pages import assert_mapped_huge
 from tests.vllm_plugin.regions import agent_region
 
 MIB = 1 << 20
@@ -168,3 +170,36 @@ def test_a_mismatch_says_how_many_files_bytes_and_rows_the_region_has(
     assert RegionLayout(agent_rows, MIB, 1).size_bytes == sum(
         entry.stat().st_size for entry in shm_dir.iterdir()
     )  # left as it was
+
+
+def test_a_populated_region_on_huge_pages_is_attached_whole_and_allocates_nothing(
+    huge_tmpfs: Path, thp_fallbacks: Callable[[], int]
+) -> None:
+    path = agent_region(str(huge_tmpfs), "eng", 128, CELL, 2)
+    region = attach_region(str(huge_tmpfs), "eng", TWO_WORKERS, 1, 2.0)
+    try:
+        assert region.populate_method is None and region.address % memory.HUGE_PAGE_SIZE == 0
+        memory.madvise(region.address, TWO_WORKERS.size_bytes, memory.MADV_POPULATE_WRITE)
+        size = TWO_WORKERS.size_bytes
+        assert_mapped_huge(memory.huge_mapped_bytes(region.address, size), size, thp_fallbacks())
+        assert allocated_bytes(path) == size
+    finally:
+        region.cleanup()
+
+
+def test_a_sparse_region_on_huge_pages_gets_the_huge_pages_that_hold_this_workers_cells(
+    huge_tmpfs: Path,
+) -> None:
+    """On huge pages a worker cannot allocate its cells alone: each 2 MiB page holds the cells
+    of both workers of 16 rows, so allocating worker 1's cells allocates the whole region (the
+    agent counts a sparse region's full size against capacity). A later store by either worker
+    then finds its page there, even once another writer has filled the tmpfs."""
+    path = agent_region(str(huge_tmpfs), "eng", 128, CELL, 2, populate=False)
+    region = attach_region(str(huge_tmpfs), "eng", TWO_WORKERS, 1, 2.0)
+    try:
+        assert allocated_bytes(path) == TWO_WORKERS.size_bytes
+        fill(huge_tmpfs)
+        cells = [row * TWO_WORKERS.row_stride + at for row in range(128) for at in (0, CELL)]
+        assert store_in_child(region.address, cells) == "exit 0"
+    finally:
+        region.cleanup()

@@ -16,14 +16,15 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from kvshm.agent.drain import DrainEvent
 from kvshm.agent.notify import CHUNK_BYTES, CHUNKS, EVENTS_RING
 from kvshm.ipc import MessageQueue, WaitPolicy
 from kvshm.ipc.codec import FIRST, FRAGMENT
+from kvshm.region.drain_event import DrainEvent
 from kvshm.vllm.attach import RegionServesAnotherEngine, attach_region
-from kvshm.vllm.events import ATTACH_TIMEOUT_S, DRAIN_EVENT_MAX_BYTES, Drain, DrainListener
+from kvshm.vllm.events import ATTACH_TIMEOUT_S, DRAIN_EVENT_MAX_BYTES, DrainListener
 from kvshm.vllm.worker import RegionDrainedError
 from tests.ipc.tenant import scribbling_on
+from tests.source_roots import pythonpath
 from tests.vllm_plugin.checks import finish
 from tests.vllm_plugin.conftest import Engine
 from tests.vllm_plugin.engine import CPU_PAGE, GPU_BLOCKS, NUM_CHUNKS, TINY_LAYERS, TINY_PAGE
@@ -66,7 +67,7 @@ def test_drain_finishes_jobs_in_flight_then_releases_the_region(
         assert worker.drain_listener is not None and worker.drain_listener.wait_listening(10)
         job = Job([1, 2, 3, 4], [5, 6], [4], [0])
         assert worker.submit_store(1, *job.specs())
-        event = DrainEvent("team-a", "llama", engine.engine_id, "region deleted", time.time() + 30)
+        event = DrainEvent("team-a/llama", engine.engine_id, "region deleted", time.time() + 30)
         events.enqueue(event.to_message(), timeout=1.0)
         deadline = time.monotonic() + 10
         while is_held(path):
@@ -90,7 +91,7 @@ def test_drain_finishes_jobs_in_flight_then_releases_the_region(
 def test_the_listener_joins_in_its_thread_and_retries_until_the_queue_exists(
     shm_dir: Path,
 ) -> None:
-    drains: list[Drain] = []
+    drains: list[DrainEvent] = []
     started = time.perf_counter()
     listener = DrainListener(str(shm_dir), "late", drains.append, retry_s=0.05)
     # joining no longer blocks the worker's constructor (it waited a whole attach timeout)
@@ -101,7 +102,7 @@ def test_the_listener_joins_in_its_thread_and_retries_until_the_queue_exists(
     try:
         assert listener.wait_listening(10), "the listener never joined the agent's queue"
         for instance in ("another", "late"):
-            drain = DrainEvent("team-a", instance, instance, "node drained", time.time() + 30)
+            drain = DrainEvent(f"team-a/{instance}", instance, "node drained", time.time() + 30)
             events.enqueue(drain.to_message(), timeout=1.0)
         deadline = time.monotonic() + 10
         while not drains:
@@ -151,7 +152,7 @@ def publish_damaged(events: MessageQueue, data: bytes) -> None:
 
 
 def drain_for(instance: str) -> dict[str, object]:
-    return DrainEvent("team-a", "llama", instance, "node drained", time.time() + 30).to_message()
+    return DrainEvent("team-a/llama", instance, "node drained", time.time() + 30).to_message()
 
 
 def test_the_listener_steps_over_damage_in_its_ring_and_still_follows_the_drain(
@@ -159,7 +160,7 @@ def test_the_listener_steps_over_damage_in_its_ring_and_still_follows_the_drain(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="kvshm.vllm.events")
     events = agent_events(shm_dir)
-    drains: list[Drain] = []
+    drains: list[DrainEvent] = []
     listener = DrainListener(str(shm_dir), "me", drains.append, retry_s=0.05)
     try:
         assert listener.wait_listening(10)
@@ -190,7 +191,7 @@ def test_the_listener_steps_over_damage_in_its_ring_and_still_follows_the_drain(
 
 def test_an_evicted_listener_joins_again_and_follows_the_drain(shm_dir: Path) -> None:
     events = agent_events(shm_dir)
-    drains: list[Drain] = []
+    drains: list[DrainEvent] = []
     # it re-joins retry_s after the eviction: long enough to see it not listening meanwhile
     listener = DrainListener(str(shm_dir), "me", drains.append, retry_s=0.5)
     try:
@@ -223,7 +224,7 @@ def test_transfer_metrics_of_a_worker_process_reach_vllms_registry(
     env = {
         **os.environ,
         "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
-        "PYTHONPATH": f"{REPO / 'agent'}:{REPO}",
+        "PYTHONPATH": pythonpath(REPO),
     }
     args = [str(shm_dir), instance_id, str(blocks), str(page), str(layers)]
     subprocess.run(

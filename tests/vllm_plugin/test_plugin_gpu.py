@@ -3,7 +3,7 @@ block-outer (and a two-group model):
 stores, loads and expedited loads with random block ids and partial chunks, checked through
 vLLM 0.33's own region views; the region registered with CUDA in the background.
 
-    PYTHONPATH=agent:operator python3 -m pytest tests/vllm_plugin -m gpu
+    PYTHONPATH=agent:common:serving:cli:operator python3 -m pytest tests/vllm_plugin -m gpu
 """
 
 from __future__ import annotations
@@ -174,8 +174,8 @@ def test_calibrated_backends_move_the_right_bytes(
 ) -> None:
     """copy-engines measures the backends that use no SMs, the strided one on scratch blocks
     in one allocation as the cache is, and chooses among them."""
+    from kvshm.transfer.calibration import ChoiceCache
     from kvshm.transfer.chooser import SM_FREE_BACKENDS
-    from kvshm.vllm.calibration import ChoiceCache
 
     with attached(layout) as a:
         instance_id, cell, region = a.instance_id, a.cell, a.region

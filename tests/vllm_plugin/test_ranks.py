@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.source_roots import pythonpath
 from tests.vllm_plugin.layouts import KvLayout, canonical_kv_caches
 from tests.vllm_plugin.regions import agent_region, is_held, remove_region, vllm_views
 
@@ -55,8 +56,7 @@ def start_rank(instance_id: str, rank: int, device: str, chunks: int, forever: b
         device,
     ] + (["--forever"] if forever else [])
     # keep the caller's path (vLLM may come from PYTHONPATH rather than the venv)
-    path = [str(REPO / "agent"), str(REPO), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO, os.environ.get("PYTHONPATH", ""))}
     return subprocess.Popen(
         args, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )

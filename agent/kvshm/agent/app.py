@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 from datetime import datetime
 
-from kvshm.agent.config import AgentConfig
+from kvshm.agent.config import AgentConfig, HugePagesMode
 from kvshm.agent.errors import describe
 from kvshm.agent.eventwriter import IsolatedEventQueues
 from kvshm.agent.holders import HoldChecker
@@ -19,6 +19,7 @@ from kvshm.agent.local.source import LocalDirectorySource
 from kvshm.agent.loop import AgentLoop, RegionSource, StatusSink, Wakeup
 from kvshm.agent.metrics import AgentMetrics
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
+from kvshm.agent.rootpages import describe_pages, is_huge, missing_huge_pages
 from kvshm.agent.saferoot import RegionRoot
 from kvshm.agent.server import AgentHttpServer, Health, serve
 from kvshm.agent.version import agent_version
@@ -36,8 +37,10 @@ class AgentApp:
     root: RegionRoot
     metrics: AgentMetrics
     reconciler: NodeReconciler
+    events: IsolatedEventQueues
     loop: AgentLoop
     server: AgentHttpServer | None
+    warnings: tuple[str, ...] = ()  # to log once the banner is out (the root's pages)
 
     def banner(self) -> str:
         local = self.config.local
@@ -47,8 +50,8 @@ class AgentApp:
             host, port = self.server.server_address[:2]
             where = f", metrics on http://{host!s}:{port}/metrics"
         return (
-            f"kvshm-agent {agent_version()}: {mode}, root {self.root.path}, "
-            f"node {self.config.node_name}{where}"
+            f"kvshm-agent {agent_version()}: {mode}, root {self.root.path} "
+            f"({describe_pages(self.root.pages)}), node {self.config.node_name}{where}"
         )
 
     def run(self, stop: threading.Event) -> int:
@@ -58,6 +61,7 @@ class AgentApp:
         result = self.loop.run(stop, until_settled=once)
         self.loop.source.close()
         self.loop.sink.close()
+        self.events.shutdown()  # the writer child; its rings stay for the next start
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
@@ -70,12 +74,25 @@ class AgentApp:
 def _settings(config: AgentConfig) -> ReconcilerSettings:
     return ReconcilerSettings(
         reserve_bytes=config.reserve_bytes,
+        huge_pages_wanted=config.huge_pages is not HugePagesMode.IGNORE,
         drain_grace_seconds=config.drain_grace_seconds,
         retry_seconds=config.resync_seconds,
         hosting=HostingSettings(
             config.populate_threads, config.populate_bytes_per_second, config.parallel_regions
         ),
     )
+
+
+def _check_pages(config: AgentConfig, root: RegionRoot) -> tuple[str, ...]:
+    """--huge-pages: refuse to start (require), or the warning to give (warn), when region
+    files get no huge pages on the root."""
+    if is_huge(root.pages) or config.huge_pages is HugePagesMode.IGNORE:
+        return ()
+    why = missing_huge_pages(root.path, root.pages)
+    if config.huge_pages is HugePagesMode.REQUIRE:
+        root.close()
+        raise AgentStartError(f"--huge-pages require: {why}")
+    return (why,)
 
 
 def _connect(
@@ -104,6 +121,7 @@ def build_app(config: AgentConfig) -> AgentApp:
         root = RegionRoot(config.root)
     except (RegionError, OSError) as exc:
         raise AgentStartError(f"cannot use the region root: {describe(exc)}") from exc
+    warnings = _check_pages(config, root)
     metrics = AgentMetrics(agent_version())
     try:
         source, sink, orphaned_since = _connect(config, metrics)
@@ -111,11 +129,12 @@ def build_app(config: AgentConfig) -> AgentApp:
         root.close()
         raise AgentStartError(f"cannot start: {exc}") from exc
     wakeup = Wakeup()
+    events = IsolatedEventQueues()
     reconciler = NodeReconciler(
         root,
-        IsolatedEventQueues(),
+        events,
         _settings(config),
-        holds=HoldChecker(proc_scan=config.proc_scan),
+        holds=HoldChecker(proc_scan=config.proc_scan, lock_table=config.lock_table),
         counters=metrics,
         wake=wakeup,
     )
@@ -136,4 +155,4 @@ def build_app(config: AgentConfig) -> AgentApp:
     loop = AgentLoop(
         source, reconciler, sink, metrics, health, wakeup, resync_seconds=config.resync_seconds
     )
-    return AgentApp(config, root, metrics, reconciler, loop, server)
+    return AgentApp(config, root, metrics, reconciler, events, loop, server, warnings)

@@ -31,10 +31,9 @@ class CapacityCheck:
     def refusal(self, root: str) -> str:
         return (
             f"not enough room on this node: the region needs {format_bytes(self.needed_bytes)} "
-            f"({self.needed_bytes} bytes) but the region root {root} has "
+            f"({self.needed_bytes} bytes); the region root {root} has "
             f"{format_bytes(self.free_bytes)} free, {format_bytes(self.reserve_bytes)} reserved "
-            f"(--reserve-bytes) and {format_bytes(self.committed_bytes)} promised to regions "
-            f"still populating or sparse: {format_bytes(self.available_bytes)} available. "
-            f"Free memory on the node (remove unused regions), lower the reserve, or ask for "
-            f"fewer blocks; the agent retries on every resync."
+            f"(--reserve-bytes), {format_bytes(self.committed_bytes)} promised to regions still "
+            f"populating or sparse: {format_bytes(self.available_bytes)} available. Free memory, "
+            f"lower the reserve or ask for fewer blocks; the agent retries on every resync."
         )

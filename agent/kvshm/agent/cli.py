@@ -3,6 +3,7 @@
     kvshm-agent --local examples/regions            # this machine, regions from YAML files
     kvshm-agent --local examples/regions --once     # reconcile, print the table, exit
     kvshm-agent --node-name "$NODE_NAME"            # in a cluster (in-cluster config or kubeconfig)
+    kvshm-agent mount-root --root DIR --size 256g   # put the root on a huge-page tmpfs (--help)
 
 Stopping the agent (SIGTERM, Ctrl-C) releases nothing: region files stay where they are and
 the next start adopts them.
@@ -28,8 +29,10 @@ from kvshm.agent.config import (
     LOG_LEVELS,
     AgentConfig,
     AgentConfigError,
+    HugePagesMode,
 )
 from kvshm.agent.descriptors import raise_soft_limit
+from kvshm.agent.mountroot import run as mount_root
 from kvshm.agent.printable import PrintableFormatter
 from kvshm.agent.sizes import parse_bytes
 
@@ -85,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="bytes of the root's filesystem never given to regions (e.g. 2Gi)",
     )
+    node.add_argument(
+        "--huge-pages",
+        choices=[mode.value for mode in HugePagesMode],
+        default=HugePagesMode.WARN.value,
+        help="when the root gives region files no 2 MiB huge pages (a tmpfs mounted without "
+        "huge=): start and warn (warn, the default), refuse to start (require), or say "
+        "nothing (ignore)",
+    )
     regions = parser.add_argument_group("regions")
     regions.add_argument("--drain-grace-seconds", type=float, default=30.0)
     regions.add_argument(
@@ -107,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--proc-scan",
         action="store_true",
         help="also treat files mapped or open by any visible process as held (needs hostPID)",
+    )
+    regions.add_argument(
+        "--lock-table",
+        default="/proc/locks",
+        metavar="PATH",
+        help="the lock table holders are counted from (default /proc/locks); in a pod without "
+        "hostPID, the host's /proc/locks mounted read-only: a procfs lists only the locks of "
+        "processes in its own PID namespace",
     )
     loop = parser.add_argument_group("loop and serving")
     loop.add_argument("--resync-seconds", type=float, default=30.0)
@@ -132,11 +151,13 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Ag
         node_labels=dict(args.node_label),
         root=args.root,
         reserve_bytes=args.reserve_bytes,
+        huge_pages=HugePagesMode(args.huge_pages),
         drain_grace_seconds=args.drain_grace_seconds,
         populate_threads=args.populate_threads,
         populate_bytes_per_second=args.populate_rate,
         parallel_regions=args.parallel_regions,
         proc_scan=args.proc_scan,
+        lock_table=args.lock_table,
         resync_seconds=args.resync_seconds,
         poll_seconds=args.poll_seconds,
         serve_http=not args.no_http,
@@ -161,6 +182,9 @@ def parse_config(
 
 
 def run(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["mount-root"]:  # the chart's init container: kvshm.agent.mountroot
+        return mount_root(argv[1:])
     config = parse_config(argv)
     if isinstance(sys.stdout, io.TextIOWrapper):  # a console in any encoding never fails a pass
         sys.stdout.reconfigure(errors="backslashreplace")
@@ -176,6 +200,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(f"kvshm-agent: {exc}", file=sys.stderr)
         return 2
     print(app.banner(), flush=True)
+    for warning in app.warnings:
+        log.warning("%s", warning)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -8,11 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import MappingProxyType
 
 DEFAULT_ROOT = "/dev/shm/kvshm"
 DEFAULT_PORT = 9464
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class HugePagesMode(StrEnum):
+    """--huge-pages: what the agent does when the root gives region files no huge pages."""
+
+    WARN = "warn"  # start, and warn: the log, the OffloadNode's HugePages condition
+    REQUIRE = "require"  # refuse to start (exit 2), saying how to mount the root
+    IGNORE = "ignore"  # start, say nothing
 
 
 class AgentConfigError(ValueError):
@@ -28,11 +37,15 @@ class AgentConfig:
     node_labels: Mapping[str, str] = field(default_factory=dict)  # local mode's placement
     root: str = DEFAULT_ROOT
     reserve_bytes: int = 0
+    huge_pages: HugePagesMode = HugePagesMode.WARN
     drain_grace_seconds: float = 30.0
     populate_threads: int | None = None  # None: one per CPU, at most 8
     populate_bytes_per_second: int | None = None  # None: as fast as the machine goes
     parallel_regions: int = 1
     proc_scan: bool = False
+    # flock holders are counted from this table; in a pod, the host's (a procfs lists only the
+    # locks of the processes its PID namespace sees)
+    lock_table: str = "/proc/locks"
     resync_seconds: float = 30.0
     poll_seconds: float = 1.0  # local mode: how often the directory is read
     serve_http: bool = True
@@ -55,6 +68,13 @@ class AgentConfig:
                 "--node-label is for local mode: in a cluster the Node's own labels count"
             )
         _at_least("--reserve-bytes", self.reserve_bytes, 0)
+        try:
+            object.__setattr__(self, "huge_pages", HugePagesMode(self.huge_pages))
+        except ValueError:
+            choices = ", ".join(mode.value for mode in HugePagesMode)
+            raise AgentConfigError(
+                f"--huge-pages must be one of {choices}, got {self.huge_pages!r}"
+            ) from None
         _at_least("--drain-grace-seconds", self.drain_grace_seconds, 0)
         _at_least("--parallel-regions", self.parallel_regions, 1)
         if self.populate_threads is not None:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvshm.agent.errors import describe
 from kvshm.agent.holders import HoldChecker
@@ -29,6 +29,7 @@ from kvshm.agent.regionfiles import (
     describe_unsafe,
     files_of,
     holding_all,
+    remove_index,
     unlink_held,
     unlink_unheld,
 )
@@ -36,28 +37,9 @@ from kvshm.agent.saferoot import RegionDir, RegionRoot
 from kvshm.agent.sizes import format_bytes
 from kvshm.api import OffloadRegion, ReclaimPolicy, region_key
 from kvshm.region import UnsafePathError
+from kvshm.region.drain_event import DrainEvent
 
 NOTHING_HERE = "nothing of the region is on this node"
-
-
-@dataclass(frozen=True)
-class DrainEvent:
-    """What attached workers are told: stop using this region before `deadline` (Unix time)."""
-
-    namespace: str
-    name: str
-    instance_id: str
-    reason: str
-    deadline: float
-
-    def to_message(self) -> dict[str, Any]:
-        return {
-            "type": "drain",
-            "region": region_key(self.namespace, self.name),
-            "instanceId": self.instance_id,
-            "reason": self.reason,
-            "deadline": self.deadline,
-        }
 
 
 class DrainNotifier(Protocol):
@@ -161,8 +143,7 @@ class Drainer:
             self._notifier.publish(
                 region_dir,
                 DrainEvent(
-                    region.namespace,
-                    region.name,
+                    region_key(region.namespace, region.name),
                     region.instance_id,
                     drain.reason,
                     drain.deadline_unix,
@@ -208,6 +189,7 @@ class Drainer:
                 for entry in linked
                 if region_dir.lstat(entry.name) is None  # its name went: the links keep it
             ]
+        leftovers += remove_index(region_dir, region.instance_id)
         leftovers += self._remove_event_queue(region_dir)
         return self._finish(region_dir, outcome, leftovers, "; ".join(notes))
 
@@ -227,6 +209,7 @@ class Drainer:
             if files is not None:
                 return None
             leftovers = [describe_unsafe(region_dir, entry) for entry in unsafe]
+            leftovers += remove_index(region_dir, region.instance_id)
             leftovers += self._remove_event_queue(region_dir)
             kept = self._remove_dir(region_dir)
             message = f"{NOTHING_HERE}; {kept or f'removed {region_dir.path}'}"

@@ -25,10 +25,10 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from kvshm.agent.drain import DrainEvent
-from kvshm.agent.notify import EVENTS_RING, RegionEventQueues
+from kvshm.agent.notify import RegionEventQueues
 from kvshm.agent.saferoot import RegionDir
 from kvshm.api import OffloadRegion
+from kvshm.region.drain_event import EVENTS_RING, DrainEvent
 
 log = logging.getLogger(__name__)
 

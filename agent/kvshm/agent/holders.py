@@ -74,20 +74,51 @@ def _fd_file_ids(pid_dir: str) -> set[FileId]:
     return ids
 
 
-def count_flocks(proc: str = "/proc") -> dict[FileId, int]:
-    """Flock holders per file from /proc/locks, not counting this process's own locks. It lists
-    every lock on the host (pids outside this PID namespace show as 0), so it needs no hostPID."""
-    own = str(os.getpid())
+def own_lock_pid(lock_table: str) -> str:
+    """The pid the lock table names for this process: the table lists pids as the PID namespace
+    of its procfs sees them, which for the host's table is not os.getpid() inside a pod. Learnt
+    by holding a shared flock on the table itself and finding that lock in it."""
+    with open(lock_table, encoding="ascii", errors="replace") as table:
+        st = os.fstat(table.fileno())
+        fcntl.flock(table.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        try:
+            with open(lock_table, encoding="ascii", errors="replace") as listing:
+                for fields in _flock_lines(listing):
+                    if _file_id(fields[5]) == (st.st_dev, st.st_ino):
+                        return fields[4]
+        finally:
+            fcntl.flock(table.fileno(), fcntl.LOCK_UN)
+    return str(os.getpid())
+
+
+def _flock_lines(listing: Iterator[str]) -> Iterator[list[str]]:
+    # "1: FLOCK  ADVISORY  READ  1234 00:1a:5678 0 EOF"; "->" lines are blocked waiters
+    for line in listing:
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK":
+            yield fields
+
+
+def _file_id(device_inode: str) -> FileId | None:
+    try:
+        major, minor, inode = device_inode.split(":")
+        return (os.makedev(int(major, 16), int(minor, 16)), int(inode))
+    except ValueError:
+        return None
+
+
+def count_flocks(lock_table: str = "/proc/locks", own_pid: str | None = None) -> dict[FileId, int]:
+    """Flock holders per file from a lock table, not counting this process's own locks.
+
+    A procfs lists only the locks of processes its PID namespace can see, so in a pod without
+    hostPID the node's holders are in the host's table (the chart mounts it read-only:
+    --lock-table); own_pid is this process's pid in that table (own_lock_pid)."""
+    own = own_pid or str(os.getpid())
     counts: dict[FileId, int] = {}
-    with open(os.path.join(proc, "locks"), encoding="ascii", errors="replace") as locks:
-        for line in locks:
-            # "1: FLOCK  ADVISORY  READ  1234 00:1a:5678 0 EOF"; "->" marks a blocked waiter
-            fields = line.split()
-            if len(fields) < 6 or fields[1] != "FLOCK" or fields[4] == own:
-                continue
-            with contextlib.suppress(ValueError):
-                major, minor, inode = fields[5].split(":")
-                file_id = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
+    with open(lock_table, encoding="ascii", errors="replace") as listing:
+        for fields in _flock_lines(listing):
+            file_id = _file_id(fields[5])
+            if fields[4] != own and file_id is not None:
                 counts[file_id] = counts.get(file_id, 0) + 1
     return counts
 
@@ -111,9 +142,13 @@ def scan_proc(proc: str = "/proc") -> set[FileId]:
 class HoldChecker:
     """Probes holders: flock always, /proc when enabled (scanned at most once per refresh)."""
 
-    def __init__(self, proc_scan: bool = False, proc: str = "/proc") -> None:
+    def __init__(
+        self, proc_scan: bool = False, proc: str = "/proc", lock_table: str | None = None
+    ) -> None:
         self.proc_scan = proc_scan
         self._proc = proc
+        self._lock_table = lock_table or os.path.join(proc, "locks")
+        self._own_pid: str | None = None
         self._proc_held: set[FileId] = set()
         self._flocks: dict[FileId, int] | None = None
 
@@ -121,9 +156,11 @@ class HoldChecker:
         if self.proc_scan:
             self._proc_held = scan_proc(self._proc)
         try:
-            self._flocks = count_flocks(self._proc)
+            if self._own_pid is None:
+                self._own_pid = own_lock_pid(self._lock_table)
+            self._flocks = count_flocks(self._lock_table, self._own_pid)
         except OSError:
-            self._flocks = None  # no /proc/locks: the count is unknown, the probe still works
+            self._flocks = None  # no lock table: the count is unknown, the probe still works
 
     def flock_holders(self, file_id: FileId | None) -> int | None:
         """How many open files hold a flock on the file (as of the last refresh), if known."""

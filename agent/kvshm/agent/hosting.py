@@ -18,11 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvshm.agent.errors import ErrorReason, classify, describe
+from kvshm.agent.rootpages import describe_pages, is_huge
 from kvshm.agent.saferoot import RegionDir, RegionRoot, set_owner_and_mode
 from kvshm.agent.sizes import format_bytes
 from kvshm.agent.throttle import RateLimit
-from kvshm.api import NodeRegionPhase, OffloadRegion
-from kvshm.region import OpenMode, RegionError, RegionLockError, SharedOffloadRegion
+from kvshm.agent.topology import NumaChoice
+from kvshm.api import NodeRegionPhase, OffloadRegion, RootPages
+from kvshm.region import OpenMode, RegionError, RegionLockError, SharedOffloadRegion, memory
+from kvshm.region.numa import placement as numa_placement
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +65,16 @@ class HostedRegion:
         settings: HostingSettings,
         on_done: Callable[[], None] = lambda: None,
         slots: threading.Semaphore | None = None,
+        numa: NumaChoice | None = None,
+        pages: RootPages | None = None,
     ) -> None:
         self.region = region
         self.adopt = adopt
+        self.numa = numa or NumaChoice(None, "")
+        self._pages = pages
+        # after populating: bytes of the agent's mapping on huge pages, and on each NUMA node
+        self.huge_bytes: int | None = None
+        self.bytes_on_nodes: dict[int, int] = {}
         self.file_name = region.address.file_0_name
         self.path = region_dir.file_path(file_name=self.file_name)
         files = region.layout.files(region.instance_id)
@@ -166,8 +176,29 @@ class HostedRegion:
         if status.populate_seconds:
             rate = size / status.populate_seconds / 1e9
             parts.append(f"populated in {status.populate_seconds:.2f}s ({rate:.1f} GB/s)")
+        if self.huge_bytes is not None and self._pages is not None:
+            parts.append(self._huge_pages_message(self.huge_bytes, self._pages))
+        if self.numa.placement is not None:
+            on = ", ".join(
+                f"{format_bytes(b)} on node {n}" for n, b in sorted(self.bytes_on_nodes.items())
+            )
+            parts.append(f"placed on {self.numa.placement.describe()}, {self.numa.reason}: {on}")
         parts.append("locked" if status.locked else "not locked")
         return ", ".join(parts)
+
+    def _huge_pages_message(self, huge_bytes: int, pages: RootPages) -> str:
+        """How much of the region the agent maps with huge pages, and what the layout leaves
+        out: vLLM splits the files, so only numBlocks makes every file whole huge pages."""
+        layout = self.region.layout
+        message = f"{format_bytes(huge_bytes)} on {describe_pages(pages)}"
+        small = layout.size_bytes - layout.whole_huge_page_bytes(pages.size_bytes)
+        if small:
+            message += (
+                f" ({format_bytes(small)} can only have small pages: the files are not whole "
+                f"{format_bytes(pages.size_bytes)} pages; kvshm layout --huge-pages gives a "
+                f"numBlocks whose files are)"
+            )
+        return message
 
     def release(self) -> None:
         """Unlock and unmap; the file stays where it is. Only once the thread has finished."""
@@ -204,6 +235,9 @@ class HostedRegion:
 
     def _failed(self, message: str, error: ErrorReason) -> None:
         message = message.replace(self._fd_dir, self._display_dir)
+        placement = self.numa.placement
+        if error is ErrorReason.POPULATE and placement is not None:
+            message += f" (its pages go to {placement.describe()}: {self.numa.reason})"
         self._set(HostingStatus(NodeRegionPhase.FAILED, message=message, error=error))
 
     def _open_shared(self) -> SharedOffloadRegion:
@@ -228,6 +262,7 @@ class HostedRegion:
                 populate_threads=self._settings.populate_threads,
                 progress=self._progress,
                 unlink_on_cleanup=False,
+                numa=self.numa.placement,
             )
         except FileExistsError:
             self.created = False
@@ -251,6 +286,10 @@ class HostedRegion:
         self.file_ids = tuple(ids)
         size = shared.layout.size_bytes
         populated = size if shared.populate_method else min(size, shared.allocated_bytes())
+        if self._pages is not None and is_huge(self._pages):
+            self.huge_bytes = memory.huge_mapped_bytes(shared.address, size)
+        if self.numa.placement is not None:
+            self.bytes_on_nodes = numa_placement(shared.address, size)[1]
         message = self._try_lock(shared) if self.region.lock else ""
         self._set(
             HostingStatus(

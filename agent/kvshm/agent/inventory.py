@@ -47,13 +47,21 @@ class RootScan:
     # paths whose regions were looked up by name besides the listing (the OffloadNode's
     # spec.retained and spec.reclaims): published first (published_files)
     looked_up: frozenset[str] = frozenset()
+    huge_pages_wanted: bool = False  # a root without huge pages is a problem (--huge-pages)
 
 
 class InventoryScanner:
-    def __init__(self, root: RegionRoot, holds: HoldChecker, reserve_bytes: int) -> None:
+    def __init__(
+        self,
+        root: RegionRoot,
+        holds: HoldChecker,
+        reserve_bytes: int,
+        huge_pages_wanted: bool = False,
+    ) -> None:
         self._root = root
         self._holds = holds
         self._reserve = reserve_bytes
+        self._huge_pages_wanted = huge_pages_wanted
         # path -> when it was first seen an orphan: unclaimed and unheld (the operator's grace
         # period counts from it)
         self._orphaned_since: dict[str, datetime] = {}
@@ -75,8 +83,16 @@ class InventoryScanner:
             wanted_here = wanted.get((region_dir.namespace, region_dir.name), set())
             files.extend(self._scan_dir(region_dir, claimed_by, problems, wanted_here))
         files = self._track_orphans(files)
-        inventory = NodeInventory(capacity, free, self._reserve, tuple(files))
-        return RootScan(self._root.path, inventory, tuple(problems), frozenset(looked_up))
+        inventory = NodeInventory(
+            capacity, free, self._reserve, tuple(files), pages=self._root.pages
+        )
+        return RootScan(
+            self._root.path,
+            inventory,
+            tuple(problems),
+            frozenset(looked_up),
+            self._huge_pages_wanted,
+        )
 
     def _track_orphans(self, files: list[InventoryFile]) -> list[InventoryFile]:
         # Rounded up to a whole second, as published: the grace period never starts early.

@@ -48,7 +48,7 @@ class _PassCollector:
         with self._lock:
             result, heartbeat, populated_total = self._result, self._heartbeat, self.populated_total
         yield CounterMetricFamily(
-            "kvshm_agent_populate_bytes",
+            "kvshm_agent_populate_bytes_total",
             "Bytes populated (throughput: its rate over the rate of populate_seconds_sum).",
             value=populated_total,
         )
@@ -122,6 +122,12 @@ def _root_gauges(result: PassResult) -> Iterator[Metric]:
         "Free bytes of the region root's filesystem.",
         value=inventory.free_bytes,
     )
+    if inventory.pages is not None:
+        yield GaugeMetricFamily(
+            "kvshm_agent_root_page_size_bytes",
+            "Bytes of the pages a region file gets on the region root (huge pages: 2 MiB).",
+            value=inventory.pages.size_bytes,
+        )
     yield GaugeMetricFamily(
         "kvshm_agent_orphaned_files",
         "Region-shaped files no region claims.",
@@ -148,16 +154,16 @@ class AgentMetrics:
             registry=self.registry,
         )
         self._reclaims = Counter(
-            "kvshm_agent_reclaims", "Reclaims executed.", ["outcome"], registry=self.registry
+            "kvshm_agent_reclaims_total", "Reclaims executed.", ["outcome"], registry=self.registry
         )
         self._drains = Counter(
-            "kvshm_agent_drains",
+            "kvshm_agent_drains_total",
             "Region removals after a drain.",
             ["outcome"],
             registry=self.registry,
         )
         self._errors = Counter(
-            "kvshm_agent_errors", "Errors by reason.", ["reason"], registry=self.registry
+            "kvshm_agent_errors_total", "Errors by reason.", ["reason"], registry=self.registry
         )
         self._inventory_omitted = Gauge(
             "kvshm_agent_inventory_omitted_files",
@@ -165,7 +171,7 @@ class AgentMetrics:
             registry=self.registry,
         )
         self._watch_restarts = Counter(
-            "kvshm_agent_watch_restarts",
+            "kvshm_agent_watch_restarts_total",
             "API watch streams restarted.",
             registry=self.registry,
         )

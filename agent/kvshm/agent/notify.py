@@ -28,14 +28,13 @@ import stat
 from collections.abc import Callable
 from typing import Protocol
 
-from kvshm.agent.drain import DrainEvent
 from kvshm.api import OffloadRegion
 from kvshm.ipc import IpcError, MessageQueue, RingLayout, ShmRingBuffer, WaitPolicy
+from kvshm.region.drain_event import EVENTS_RING, DrainEvent
 from kvshm.region.safefile import describe_file_type
 
 log = logging.getLogger(__name__)
 
-EVENTS_RING = "kvshm_events"
 CHUNK_BYTES = 4096
 CHUNKS = 8
 MAX_READERS = 256

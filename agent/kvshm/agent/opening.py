@@ -18,7 +18,9 @@ from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion, HostingSettings
 from kvshm.agent.regionfiles import RegionFileSet, files_of, holding_all, unlink_held
 from kvshm.agent.saferoot import RegionDir, RegionRoot
-from kvshm.api import NodeRegionPhase, OffloadRegion
+from kvshm.agent.topology import HostTopology, NumaSpecError
+from kvshm.agent.topology import choose as choose_numa
+from kvshm.api import NodeRegionPhase, OffloadRegion, RootPages
 from kvshm.region import (
     RegionError,
     RegionExtraFileError,
@@ -60,6 +62,7 @@ class RegionOpener:
         hosting: HostingSettings,
         reserve_bytes: int,
         wake: Callable[[], None],
+        topology: HostTopology | None = None,
     ) -> None:
         self._root = root
         self._holds = holds
@@ -67,6 +70,7 @@ class RegionOpener:
         self._hosting = hosting
         self._reserve_bytes = reserve_bytes
         self._wake = wake
+        self._topology = topology
         self._populate_slots = threading.Semaphore(max(1, hosting.parallel_regions))
         self._descriptors = DescriptorBudget()
 
@@ -78,13 +82,19 @@ class RegionOpener:
         no_room = self._no_room_before_creating(region, held)
         if no_room is not None:
             return no_room
+        if self._topology is None:  # read once: the host's NUMA nodes and GPUs do not change
+            self._topology = HostTopology.read()
+        try:
+            numa = choose_numa(region.numa, self._topology)
+        except NumaSpecError as exc:
+            return Refusal(ErrorReason.SPEC, str(exc))
         try:
             region_dir = self._root.ensure_region_dir(region.namespace, region.name, region.access)
         except (RegionError, OSError) as exc:
             return Refusal(classify(exc), describe(exc))
         with region_dir:
             try:
-                adopt, needed = inspect_files(self._holds, region, region_dir)
+                adopt, needed = inspect_files(self._holds, region, region_dir, self._root.pages)
             except (RegionError, OSError) as exc:
                 return Refusal(classify(exc), describe(exc))
             check = self._capacity(needed, held)
@@ -97,6 +107,8 @@ class RegionOpener:
                 settings=self._hosting,
                 on_done=self._wake,
                 slots=self._populate_slots,
+                numa=numa,
+                pages=self._root.pages,
             )
             self._notifier.prepare(region_dir, region)
         return hosted
@@ -113,7 +125,7 @@ class RegionOpener:
         if existing is not None:
             existing.close()
             return None  # an existing file may be adopted: checked once inspected
-        check = self._capacity(region.size_bytes, held)
+        check = self._capacity(self._root.pages.allocation_bytes(region.layout), held)
         return None if check.fits else Refusal(ErrorReason.CAPACITY, check.refusal(self._root.path))
 
     def _capacity(self, needed: int, held: Sequence[HostedRegion]) -> CapacityCheck:
@@ -121,13 +133,16 @@ class RegionOpener:
         committed = 0
         for hosted in held:
             status = hosted.status()
-            if status.phase in _HOLDING:
-                committed += max(0, hosted.region.size_bytes - status.populated_bytes)
+            region = hosted.region
+            if status.phase in _HOLDING and status.populated_bytes < region.size_bytes:
+                # a root that rounds a file's last huge page up holds more than its size
+                allocation = self._root.pages.allocation_bytes(region.layout)
+                committed += allocation - status.populated_bytes
         return CapacityCheck(needed, free, self._reserve_bytes, committed)
 
 
 def inspect_files(
-    holds: HoldChecker, region: OffloadRegion, region_dir: RegionDir
+    holds: HoldChecker, region: OffloadRegion, region_dir: RegionDir, pages: RootPages
 ) -> tuple[bool, int]:
     """(adopt, bytes still to allocate) for the region's files; raises what forbids it.
 
@@ -138,11 +153,12 @@ def inspect_files(
     found, unsafe = files_of(region_dir, region.instance_id)
     for entry in unsafe:  # symlink, FIFO, directory, hard link: refused, untouched
         check_regular(entry.stat, region_dir.file_path(entry.name))
+    allocation = pages.allocation_bytes(region.layout)
     if found is None:
-        return False, region.size_bytes
+        return False, allocation
     if not found.has_file_0:
         _remove_strays(holds, region_dir, found)
-        return False, region.size_bytes
+        return False, allocation
     expected = {file.name: file.length for file in region.layout.files(region.instance_id)}
     for file in found.files:
         path = region_dir.file_path(file.name)
@@ -153,7 +169,7 @@ def inspect_files(
     missing = [name for name in expected if name not in found.names]
     if missing:
         raise RegionFileMissingError(region_dir.file_path(missing[0]), expected[missing[0]])
-    return True, max(0, region.size_bytes - found.allocated_bytes)
+    return True, max(0, allocation - found.allocated_bytes)
 
 
 def _remove_strays(holds: HoldChecker, region_dir: RegionDir, strays: RegionFileSet) -> None:

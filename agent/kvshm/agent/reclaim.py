@@ -15,7 +15,13 @@ from datetime import UTC, datetime
 from kvshm.agent.counters import Counters
 from kvshm.agent.errors import ErrorReason, describe
 from kvshm.agent.holders import HoldChecker
-from kvshm.agent.regionfiles import describe_unsafe, files_of, holding_all, unlink_held
+from kvshm.agent.regionfiles import (
+    describe_unsafe,
+    files_of,
+    holding_all,
+    remove_index,
+    unlink_held,
+)
 from kvshm.agent.reports import AgentEvent, EventReason
 from kvshm.agent.saferoot import RegionDir, RegionRoot
 from kvshm.api import ReclaimOutcome, ReclaimRequest, ReclaimResult, RegionAddress
@@ -89,6 +95,7 @@ class Reclaimer:
                         f"re-created or resized since, so they were kept",
                     )
                 problems = unlink_held(region_dir, held)
+            problems += remove_index(region_dir, instance_id)  # gone with the region it indexed
         except UnsafePathError as exc:
             return result(ReclaimOutcome.FAILED, describe(exc))
         freed = sum(st.st_blocks * 512 for st in locked)

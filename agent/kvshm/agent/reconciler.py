@@ -10,7 +10,6 @@ is re-checked on the next pass.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,12 +23,21 @@ from kvshm.agent.hosting import HostedRegion, HostingSettings
 from kvshm.agent.inventory import InventoryScanner
 from kvshm.agent.opening import Refusal, RegionOpener, remove_failed_creation
 from kvshm.agent.reclaim import ReclaimBook, Reclaimer
-from kvshm.agent.record import Backoff, Failure, RegionRecord, RegionState
+from kvshm.agent.record import Failure, RegionRecord, RegionState
 from kvshm.agent.reports import AgentEvent, EventReason, PassResult
 from kvshm.agent.saferoot import RegionRoot
 from kvshm.agent.sizes import format_bytes
+from kvshm.agent.topology import HostTopology
 from kvshm.agent.view import ClusterView
-from kvshm.api import InventoryFile, NodeRegionPhase, NodeReport, OffloadRegion, RegionAddress
+from kvshm.agent.warmindex import read_warm_index
+from kvshm.api import (
+    InventoryFile,
+    NodeRegionPhase,
+    NodeReport,
+    OffloadRegion,
+    RegionAddress,
+    WarmIndexReport,
+)
 from kvshm.region import RegionError
 
 log = logging.getLogger(__name__)
@@ -38,10 +46,14 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ReconcilerSettings:
     reserve_bytes: int = 0
+    # whether a root without huge pages is reported as a problem (the OffloadNode's HugePages
+    # condition): --huge-pages warn or require
+    huge_pages_wanted: bool = True
     drain_grace_seconds: float = 30.0
     retry_seconds: float = 30.0  # first retry after a failed create/populate; doubles
     max_retry_seconds: float = 600.0
     hosting: HostingSettings = field(default_factory=HostingSettings)
+    topology: HostTopology | None = None  # None: the host's own, read from sysfs
 
 
 class NodeReconciler:
@@ -64,10 +76,18 @@ class NodeReconciler:
         self._clock = clock
         self._notifier = notifier
         self._opener = RegionOpener(
-            root, self._holds, notifier, settings.hosting, settings.reserve_bytes, wake
+            root,
+            self._holds,
+            notifier,
+            settings.hosting,
+            settings.reserve_bytes,
+            wake,
+            settings.topology,
         )
         self._drainer = Drainer(root, self._holds, notifier, settings.drain_grace_seconds, clock)
-        self._inventory = InventoryScanner(root, self._holds, settings.reserve_bytes)
+        self._inventory = InventoryScanner(
+            root, self._holds, settings.reserve_bytes, settings.huge_pages_wanted
+        )
         self._reclaims = ReclaimBook(Reclaimer(root, self._holds), self._counters)
         self._records: dict[str, RegionRecord] = {}  # key -> everything known of the region
         self._events: list[AgentEvent] = []
@@ -361,25 +381,17 @@ class NodeReconciler:
     ) -> Failure:
         """The region's failure, told once per reason and spec; a failed attempt to open or
         populate (attempt) also backs off, a failed check does not."""
-        if reason is ErrorReason.PERMISSION and "capabilit" not in message:
-            message += (
-                f" (the agent, uid {os.geteuid()}, needs CAP_DAC_OVERRIDE to reach files of "
-                f"uid {region.access.uid}, and CAP_CHOWN and CAP_FOWNER to give them owner "
-                f"and mode; or run it as that uid)"
-            )
-        previous = record.failure
-        same_spec = previous is not None and previous.region == region
-        if previous is None or previous.reason is not reason or not same_spec:
+        failure = Failure.of(region, reason, message).follows(record.failure)
+        if failure.is_news_after(record.failure):
             self._counters.error(reason)
-            self._event(EventReason.FAILED, region, message)
-            log.warning("region %s failed: %s", region.key, message)
-        backoff = previous.backoff if previous is not None and same_spec else Backoff()
+            self._event(EventReason.FAILED, region, failure.message)
+            log.warning("region %s failed: %s", region.key, failure.message)
         if attempt:
             settings = self.settings
-            backoff = backoff.after_failed_attempt(
+            failure = failure.after_failed_attempt(
                 self._clock(), settings.retry_seconds, settings.max_retry_seconds
             )
-        return Failure(region, reason, message, backoff)
+        return failure
 
     def _note_ready(self, record: RegionRecord) -> None:
         hosted = record.hosted
@@ -410,13 +422,18 @@ class NodeReconciler:
     def _reports(self, view: ClusterView) -> dict[str, NodeReport]:
         reports = {}
         for key, record in self._records.items():
-            report = record.report(self._holds, self._file_path, view.invalid.get(key))
+            report = record.report(
+                self._holds, self._file_path, view.invalid.get(key), self._warm_index
+            )
             if report is not None:
                 reports[key] = report
         return reports
 
     def _file_path(self, region: OffloadRegion) -> str:
         return region.address.path_under(self.root.path)
+
+    def _warm_index(self, region: OffloadRegion) -> WarmIndexReport:
+        return read_warm_index(self.root, region)
 
     def _event(self, reason: EventReason, region: OffloadRegion, message: str) -> None:
         self._events.append(AgentEvent(reason, message, region.key, region.uid))

@@ -10,6 +10,7 @@ state is one of RegionRecord's methods; the reconciler decides when, the record 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -18,7 +19,7 @@ from kvshm.agent.drain import Drain
 from kvshm.agent.errors import ErrorReason
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion
-from kvshm.api import NodeRegionPhase, NodeReport, OffloadRegion
+from kvshm.api import NodeRegionPhase, NodeReport, OffloadRegion, WarmIndexReport
 
 
 class RegionState(StrEnum):
@@ -64,6 +65,34 @@ class Failure:
     reason: ErrorReason
     message: str
     backoff: Backoff = Backoff()
+
+    @classmethod
+    def of(cls, region: OffloadRegion, reason: ErrorReason, message: str) -> Failure:
+        """The failure, its message saying what to do where the agent lacks a permission."""
+        if reason is ErrorReason.PERMISSION and "capabilit" not in message:
+            message += (
+                f" (the agent, uid {os.geteuid()}, needs CAP_DAC_OVERRIDE to reach files of "
+                f"uid {region.access.uid}, and CAP_CHOWN and CAP_FOWNER to give them owner "
+                f"and mode; or run it as that uid)"
+            )
+        return cls(region, reason, message)
+
+    def follows(self, previous: Failure | None) -> Failure:
+        """This failure after the region's previous one: a failed check keeps the backoff of
+        the same spec, and a new spec starts afresh."""
+        if previous is None or previous.region != self.region:
+            return self
+        return replace(self, backoff=previous.backoff)
+
+    def after_failed_attempt(self, now: float, first: float, most: float) -> Failure:
+        """A failed attempt to open or populate: tried again only after the next backoff."""
+        return replace(self, backoff=self.backoff.after_failed_attempt(now, first, most))
+
+    def is_news_after(self, previous: Failure | None) -> bool:
+        """Told (event, log, counter) once per reason and spec, not on every pass."""
+        return (
+            previous is None or previous.reason is not self.reason or previous.region != self.region
+        )
 
 
 @dataclass
@@ -195,9 +224,12 @@ class RegionRecord:
         holds: HoldChecker,
         file_path: Callable[[OffloadRegion], str],
         refusal: str | None = None,
+        warm_index: Callable[[OffloadRegion], WarmIndexReport | None] = lambda region: None,
     ) -> NodeReport | None:
         """status.nodes.<node> for the region (None: nothing to say). refusal: why the source
-        refused the region's current spec (the held region is kept as it was)."""
+        refused the region's current spec (the held region is kept as it was). warm_index: the
+        region's warm-restart index, read for a Ready region only (an engine runs on no
+        other)."""
         if self.state is RegionState.FAILED:
             assert self.failure is not None
             failure = self.failure
@@ -228,6 +260,7 @@ class RegionRecord:
             message=message,
             files=hosted.region.layout.file_count,
             observed_generation=hosted.region.generation,
+            warm_index=warm_index(hosted.region) if phase is NodeRegionPhase.READY else None,
         )
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from kvshm.agent.holders import FileCheck, HoldChecker
 from kvshm.agent.saferoot import RegionDir
 from kvshm.region import RegionFileName
-from kvshm.region.naming import MAX_SEGMENT_INDEX, segment_file_name
+from kvshm.region.naming import MAX_SEGMENT_INDEX, index_file_name, segment_file_name
 from kvshm.region.safefile import check_regular, describe_file_type
 
 
@@ -172,3 +172,15 @@ def unlink_unheld(
         if problem:
             problems.append(problem)
     return problems
+
+
+def remove_index(region_dir: RegionDir, instance_id: str) -> list[str]:
+    """Remove the region's warm-restart index (vllm_offload_<id>.index, which the engine's
+    scheduler writes beside the region: docs/warm-restart.md) with the region's files; what
+    could not be removed, and why (a symlink, FIFO or hard-linked file there is left alone).
+    Nothing holds it: the engine locks a byte of it, never flocks it."""
+    name = index_file_name(instance_id)
+    if region_dir.lstat(name) is None:
+        return []
+    problem = region_dir.unlink_regular(name)
+    return [problem] if problem else []

@@ -5,23 +5,10 @@ or console lines."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from kvshm.agent.inventory import RootScan
 from kvshm.api import NodeReport, ReclaimResult
-
-
-class EventReason(StrEnum):
-    CREATED = "Created"
-    ADOPTED = "Adopted"
-    READY = "Ready"
-    FAILED = "Failed"
-    LOCK_FAILED = "LockFailed"
-    DRAINING = "Draining"
-    DRAINED = "Drained"
-    RECLAIMED = "Reclaimed"
-    RECLAIM_REFUSED = "ReclaimRefused"
-
+from kvshm.api.events import EventReason
 
 WARNING_REASONS = frozenset(
     {EventReason.FAILED, EventReason.LOCK_FAILED, EventReason.RECLAIM_REFUSED}

@@ -17,6 +17,7 @@ import ctypes.util
 import errno
 import os
 import re
+from dataclasses import dataclass
 
 TMPFS_MAGIC = 0x01021994
 
@@ -51,30 +52,49 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
 
 
-def describe_filesystem(fd: int, path: str) -> str:
-    """fd's filesystem ("the ext4 filesystem mounted at /") from mountinfo: of
-    the mounts of fd's device, the one whose mount point is the longest prefix of `path`.
-    Only the magic number where /proc/self/mountinfo has no such mount."""
+@dataclass(frozen=True)
+class Mount:
+    """A mount as /proc/self/mountinfo lists it."""
+
+    fs_type: str
+    mount_point: str
+    options: tuple[str, ...]  # the filesystem's own (super) options: size=..., huge=...
+
+
+def find_mount(fd: int, path: str) -> Mount | None:
+    """fd's mount from mountinfo: of the mounts of fd's device, the one whose mount point is
+    the longest prefix of `path`; None where /proc/self/mountinfo has no such mount."""
     device = os.fstat(fd).st_dev
     wanted = f"{os.major(device)}:{os.minor(device)}"
-    found: list[tuple[str, str]] = []
+    found: list[Mount] = []
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mounts:
             for line in mounts:
                 fields, _, rest = line.partition(" - ")
-                parts = fields.split()
-                if len(parts) >= 5 and parts[2] == wanted and rest.split():
-                    found.append((rest.split()[0], _unescape(parts[4])))
+                parts, after = fields.split(), rest.split()
+                if len(parts) >= 5 and parts[2] == wanted and after:
+                    options = tuple(after[2].split(",")) if len(after) > 2 else ()
+                    found.append(Mount(after[0], _unescape(parts[4]), options))
     except OSError:
         pass
     if not found:
-        return f"a filesystem of type {filesystem_magic(fd):#x}"
+        return None
 
     def contains(mount_point: str) -> bool:
         return path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
 
-    fs_type, mount_point = max(found, key=lambda mount: len(mount[1]) if contains(mount[1]) else -1)
-    return f"the {fs_type} filesystem mounted at {mount_point}"
+    return max(
+        found, key=lambda mount: len(mount.mount_point) if contains(mount.mount_point) else -1
+    )
+
+
+def describe_filesystem(fd: int, path: str) -> str:
+    """fd's filesystem ("the ext4 filesystem mounted at /") from mountinfo; only the magic
+    number where /proc/self/mountinfo has no such mount."""
+    mount = find_mount(fd, path)
+    if mount is None:
+        return f"a filesystem of type {filesystem_magic(fd):#x}"
+    return f"the {mount.fs_type} filesystem mounted at {mount.mount_point}"
 
 
 def require_tmpfs(fd: int, path: str, root: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import stat
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 from kvshm.agent.errors import describe
 from kvshm.agent.printable import printable
 from kvshm.agent.rootfs import require_tmpfs
-from kvshm.api import RegionAccess, region_key
+from kvshm.agent.rootpages import probe_pages
+from kvshm.api import RegionAccess, RootPages, region_key
 from kvshm.api.address import is_dns_label, is_dns_subdomain
 from kvshm.region import RegionFileName, UnsafePathError, parse_region_file_name
 from kvshm.region.safefile import describe_file_type
@@ -275,6 +277,12 @@ class RegionRoot:
             raise
         self.device = os.fstat(self.fd).st_dev
 
+    @functools.cached_property
+    def pages(self) -> RootPages:
+        """The pages a region file gets on the root, found by making one (rootpages.py) the
+        first time they are asked for; the mount does not change under a running agent."""
+        return probe_pages(self.fd, self.path)
+
     def filesystem_bytes(self) -> tuple[int, int]:
         """(capacity, free) of the root's filesystem, as an unprivileged writer sees them."""
         st = os.fstatvfs(self.fd)
@@ -317,6 +325,8 @@ class RegionRoot:
             if created:
                 os.fchmod(ns_fd, SHARED_DIR_MODE)
             _check_agent_owned(ns_fd, ns_path)
+            # one the kubelet made first (a serving pod's hostPath DirectoryOrCreate) is 0755
+            _hide_names(ns_fd, ns_path)
             fd, _ = _ensure_dir_at(ns_fd, name, path, self.device)
         except BaseException:
             os.close(ns_fd)

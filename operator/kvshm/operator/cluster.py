@@ -6,9 +6,11 @@ decision functions take it as one argument (and tests build it by hand).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import dataclasses
+import time
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TypeVar
 
@@ -33,6 +35,7 @@ class ClusterSnapshot:
     now: datetime
     silence_seconds: float
     regions: Mapping[str, str] = field(default_factory=dict)  # region key -> its file 0 path
+    live_regions: Mapping[str, str] = field(default_factory=dict)  # those not being deleted
 
     def agent_state(self, node: str) -> AgentState:
         agent = self.agents.get(node)
@@ -73,3 +76,21 @@ class ClusterSnapshot:
 def first_values(index: Mapping[str, Collection[T]]) -> dict[str, T]:
     """One value per key of a kopf index (each key is indexed from exactly one object)."""
     return {key: next(iter(store)) for key, store in index.items() if store}
+
+
+class Snapshots:
+    """One snapshot of kopf's indexes for `max_age` seconds, its `now` fresh at each get: every
+    sweep (hundreds a second at thousands of nodes) and region decision copied every Node,
+    OffloadNode and region path for itself."""
+
+    def __init__(self, build: Callable[[], ClusterSnapshot], max_age: float) -> None:
+        self._build, self._max_age = build, max_age
+        self._taken: tuple[float, ClusterSnapshot] | None = None
+
+    def get(self, fresh: bool = False) -> ClusterSnapshot:
+        """The shared snapshot; fresh: one copied now (for a decision a stale view makes
+        unsafe), which the next gets share."""
+        taken = time.monotonic()
+        if fresh or self._taken is None or taken - self._taken[0] > self._max_age:
+            self._taken = (taken, self._build())
+        return dataclasses.replace(self._taken[1], now=datetime.now(UTC))

@@ -34,17 +34,24 @@ class OperatorConfig:
     # An agent whose heartbeat is older than this is silent: regions there degrade, and a
     # deletion stops waiting for it (its files then surface as orphans when it returns).
     agent_silence_seconds: float = 120.0
-    # How often a deleting region re-checks its nodes, and a waiting placement re-validates.
+    # How often a deleting region re-checks what time alone changes (an agent gone silent);
+    # its agents' reports are acted on as they arrive.
     deletion_poll_seconds: float = 2.0
-    placement_retry_seconds: float = 10.0
-    # Timers (read once when the handlers are registered: kopf fixes a timer's interval then).
+    # A status on the way (Pending, Provisioning, Terminating) waits this long for the next
+    # report before it is written: a region Ready (or released) by then is written once.
+    # After one is written, the next waits until region_resync_seconds after it.
+    progress_write_seconds: float = 2.0
+    # The regions' resync (on the sweep's ticks) and the OffloadNode timer (read once when the
+    # handlers are registered: kopf fixes a timer's interval then).
     region_resync_seconds: float = 30.0
     node_sweep_seconds: float = 5.0
     # Runtime.
     metrics_port: int = 9465  # 0: no /metrics endpoint (the chart's default port)
-    # Objects handled at once: kopf keeps a worker per object while its events flow and for
-    # worker_idle_seconds after, so the bound and the idle time together cap the throughput.
-    max_workers: int = 256
+    # Objects handled at once (0: no limit). kopf keeps a worker per object while its events
+    # flow and for worker_idle_seconds after. A limit below the number of objects of any
+    # watched kind at start-up deadlocks kopf: its first workers hold their slots waiting for
+    # every object to be indexed, and the rest never get a slot (300 Nodes, 5,000 regions).
+    max_workers: int = 0
     worker_idle_seconds: float = 1.0
     # An integer: kopf sends it as the watch's timeoutSeconds, which the API server parses as
     # an int (300.0 is a 400 Bad Request for every watch, and the operator cannot start).
@@ -58,8 +65,6 @@ class OperatorConfig:
             value = getattr(self, item.name)
             if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
                 raise ConfigError(f"{_env_name(item.name)} must not be negative, got {value}")
-        if self.max_workers < 1:
-            raise ConfigError(f"{_env_name('max_workers')} must be at least 1")
         for name in ("region_resync_seconds", "node_sweep_seconds", "deletion_poll_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{_env_name(name)} must be greater than 0")

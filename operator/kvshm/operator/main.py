@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 
 import kopf
+from kopf._core.engines.peering import Identity  # kopf.run's type; not re-exported by kopf
 
 from kvshm.operator.config import ENV_PREFIX, ConfigError, OperatorConfig
 from kvshm.operator.logs import configure_logging
@@ -64,6 +66,13 @@ def config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Operato
     return OperatorConfig.from_env({**environ, **flags})
 
 
+def peering_identity(environ: Mapping[str, str]) -> str:
+    """This process's name among kopf's peers: the pod's (POD_ID, as kopf reads it) or host
+    and pid. Never the user name: kopf's default asks getpwuid(), which fails for a uid with no
+    passwd entry, as the image's 65532 and any arbitrary uid a platform assigns."""
+    return environ.get("POD_ID") or f"kvshm-operator@{socket.gethostname()}/{os.getpid()}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -79,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=liveness,
+        identity=Identity(peering_identity(os.environ)),
     )
     return 0
 

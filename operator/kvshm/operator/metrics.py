@@ -79,26 +79,32 @@ class PerKeyTotals:
 
     def __init__(self) -> None:
         self._region_phases: dict[str, str] = {}
+        self._phase_counts = dict.fromkeys((item.value for item in RegionPhase), 0)
         self._orphans: dict[str, tuple[int, int]] = {}
+        self._orphan_totals = [0, 0]  # files, bytes
 
     def set_region_phase(self, region: str, phase: RegionPhase | None) -> None:
-        if phase is None:
-            self._region_phases.pop(region, None)
-        else:
+        # counted as they change, not recounted: every region event of thousands lands here
+        before = self._region_phases.pop(region, None)
+        if before is not None:
+            self._phase_counts[before] -= 1
+            REGIONS.labels(phase=before).set(self._phase_counts[before])
+        if phase is not None:
             self._region_phases[region] = phase.value
-        counts = dict.fromkeys((item.value for item in RegionPhase), 0)
-        for value in self._region_phases.values():
-            counts[value] += 1
-        for name, count in counts.items():
-            REGIONS.labels(phase=name).set(count)
+            self._phase_counts[phase.value] += 1
+            REGIONS.labels(phase=phase.value).set(self._phase_counts[phase.value])
 
     def set_node_orphans(self, node: str, files: int | None, size: int = 0) -> None:
-        if files is None:
-            self._orphans.pop(node, None)
-        else:
+        # as set_region_phase: every sweep of every node lands here
+        before_files, before_size = self._orphans.pop(node, (0, 0))
+        self._orphan_totals[0] -= before_files
+        self._orphan_totals[1] -= before_size
+        if files is not None:
             self._orphans[node] = (files, size)
-        ORPHANED_FILES.set(sum(count for count, _ in self._orphans.values()))
-        ORPHANED_BYTES.set(sum(size for _, size in self._orphans.values()))
+            self._orphan_totals[0] += files
+            self._orphan_totals[1] += size
+        ORPHANED_FILES.set(self._orphan_totals[0])
+        ORPHANED_BYTES.set(self._orphan_totals[1])
 
     @property
     def region_phases(self) -> Mapping[str, str]:
@@ -111,7 +117,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _outcome(error: BaseException | None) -> str:
+def outcome(error: BaseException | None) -> str:
     if error is None:
         return "success"
     if isinstance(error, kopf.TemporaryError):
@@ -142,7 +148,7 @@ def instrumented(
                 raise
             finally:
                 RECONCILE_SECONDS.labels(handler=handler).observe(time.perf_counter() - started)
-                RECONCILES.labels(handler=handler, outcome=_outcome(error)).inc()
+                RECONCILES.labels(handler=handler, outcome=outcome(error)).inc()
 
         return run
 

@@ -13,15 +13,16 @@ from datetime import datetime
 from typing import Any
 
 from kvshm.api import NodeRegionPhase, NodeReport, OffloadRegion, RegionPhase
+from kvshm.api.conditions import Condition, ConditionType, merge_conditions
 from kvshm.api.messages import (
     MAX_CONDITION_MESSAGE,
     MAX_STATUS_MESSAGE,
     SHOWN,
     bounded,
+    readable_bytes,
     summarize,
 )
 from kvshm.operator.cluster import AgentState, ClusterSnapshot
-from kvshm.operator.conditions import Condition, ConditionType, merge_conditions
 from kvshm.operator.deletion import decide_release
 from kvshm.operator.placement import Placement, PlacementReason, Verdict, place
 
@@ -215,6 +216,7 @@ def status_patch(
             current.get("conditions"), derived.conditions, derived.observed_generation, now
         ),
         "sizeBytes": derived.size_bytes,  # None (an invalid spec has no size): null, removed
+        "size": None if derived.size_bytes is None else readable_bytes(derived.size_bytes),
     }
     patch = {key: value for key, value in wanted.items() if current.get(key) != value}
     if derived.gone_nodes:

@@ -57,7 +57,13 @@ def place(region: OffloadRegion, cluster: ClusterSnapshot) -> Placement:
         return _check_capacity(region, cluster, targets)
 
     unknown = [name for name in wanted.node_names if not cluster.node_known(name)]
-    matching = {name for name, labels in cluster.nodes.items() if wanted.matches(name, labels)}
+    # named nodes are looked up, not searched for among every Node (thousands, each decision)
+    candidates = wanted.node_names or tuple(cluster.nodes)
+    matching = {
+        name
+        for name in candidates
+        if name in cluster.nodes and wanted.matches(name, cluster.nodes[name])
+    }
     if not wanted.node_selector:  # a deleted Node's labels are unknown: only names can match
         matching |= {name for name in wanted.node_names if cluster.node_known(name)}
     targets = tuple(sorted(matching))
@@ -84,13 +90,19 @@ def place(region: OffloadRegion, cluster: ClusterSnapshot) -> Placement:
 def _check_capacity(
     region: OffloadRegion, cluster: ClusterSnapshot, targets: tuple[str, ...]
 ) -> Placement:
-    size = region.size_bytes
     capacities = {
         name: cluster.agents[name].status.capacity_bytes
         for name in targets
         if name in cluster.agents and cluster.agents[name].status.capacity_bytes is not None
     }
-    if any(capacity >= size for capacity in capacities.values() if capacity is not None):
+    # what each node's root holds for the region: more than its size where the root rounds a
+    # file's last huge page up (its agent reports how its pages behave)
+    needed = {
+        name: cluster.agents[name].status.allocation_bytes(region.layout) for name in capacities
+    }
+    if any(
+        capacity >= needed[name] for name, capacity in capacities.items() if capacity is not None
+    ):
         return Placement(Verdict.ACCEPTED, PlacementReason.ACCEPTED, "placement accepted", targets)
     unmeasured = [name for name in targets if name not in capacities]
     if unmeasured:
@@ -102,6 +114,7 @@ def _check_capacity(
             targets,
         )
     largest = max(capacity for capacity in capacities.values() if capacity is not None)
+    size = min(needed.values())
     return Placement(
         Verdict.REJECTED,
         PlacementReason.INSUFFICIENT_CAPACITY,

@@ -1,14 +1,17 @@
-"""kopf settings for kvshm: our finalizer, where kopf keeps records, peering, bounded workers."""
+"""kopf settings for kvshm: kopf's finalizer, where kopf keeps records, peering, bounded workers."""
 
 from __future__ import annotations
 
 import kopf
 
+from kvshm.api import GROUP
 from kvshm.operator.config import OperatorConfig, PeeringMode
-from kvshm.operator.progress import ProgressByKind
 
+# The regions' finalizer: the operator's own (kvshm.operator.book adds and removes it).
 FINALIZER = "kvshm.dev/operator"
-DIFFBASE_FIELD = "status.kopf.lastHandledConfiguration"
+# kopf's, on OffloadNodes only (their sweep timer). A name of its own: kopf removes its
+# finalizer from any object no kopf handler needs it on, and regions have no such handler.
+TIMER_FINALIZER = "kvshm.dev/sweep-timer"
 SYNC_THREADS = 4
 # kopf keeps a finalizer on every object with a timer and removes it once the timer has exited,
 # re-checking every cancellation_polling seconds (kopf's default: 60). The sweep timer deletes
@@ -18,17 +21,10 @@ TIMER_EXIT_POLL_SECONDS = 1.0
 
 
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
-    # One finalizer on a region, and it is ours: the agents never add any.
-    settings.persistence.finalizer = FINALIZER
-    # Handler progress: in status for regions, in annotations for OffloadNodes (progress.py
-    # says why). The last-handled spec (status.kopf.lastHandledConfiguration) is in status too:
-    # a copy of a spec of up to ~300 KB cannot fit the 256 KiB that all of an object's
-    # annotations share (kopf then retries forever: no phase, no deletion). It holds the spec
-    # only: the update handlers watch nothing else.
-    settings.persistence.progress_storage = ProgressByKind()
-    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
-        field=DIFFBASE_FIELD, ignored_fields=["metadata"]
-    )
+    settings.persistence.finalizer = TIMER_FINALIZER
+    # kopf keeps no handler progress nor last-handled spec: no kvshm handler is of the kinds
+    # that need them. Only its touch while an OffloadNode's timer exits lands here.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     # One active replica: replicas peer cluster-wide under one name; the others pause.
     settings.peering.name = config.peering_name
     settings.peering.clusterwide = True
@@ -41,7 +37,7 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     settings.watching.client_timeout = config.watch_client_timeout_seconds
     # Bounded concurrency: per-object workers (each object's events run in order in one), and a
     # few threads for kopf's synchronous parts (every kvshm handler is async).
-    settings.queueing.worker_limit = config.max_workers
+    settings.queueing.worker_limit = config.max_workers or None
     settings.queueing.idle_timeout = config.worker_idle_seconds
     settings.execution.max_workers = SYNC_THREADS
     settings.background.cancellation_polling = TIMER_EXIT_POLL_SECONDS

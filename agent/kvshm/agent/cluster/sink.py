@@ -30,6 +30,7 @@ from kvshm.agent.inventory import (
     published_files,
 )
 from kvshm.agent.reports import AgentEvent, PassResult
+from kvshm.agent.rootpages import describe_pages, is_huge, missing_huge_pages
 from kvshm.api import (
     GROUP,
     NODE_KIND,
@@ -39,9 +40,11 @@ from kvshm.api import (
     VERSION,
     NodeName,
     NodeReport,
+    RootPages,
 )
 from kvshm.api.address import split_region_key
-from kvshm.api.messages import MAX_CONDITION_MESSAGE, bounded, status_message, summarize
+from kvshm.api.conditions import Condition, NodeConditionType, merge_conditions
+from kvshm.api.messages import bounded, status_message, summarize
 from kvshm.api.reading import format_timestamp
 
 log = logging.getLogger(__name__)
@@ -115,15 +118,22 @@ class ClusterSink:
             agent_version=self._version,
         )
         status = inventory.to_status()
-        status["conditions"] = [
-            self._root_condition(scan.problems),
+        wanted = [
+            _root_condition(scan.problems),
             _inventory_condition(published, len(scan.inventory.files)),
         ]
+        if scan.huge_pages_wanted and scan.inventory.pages is not None:
+            wanted.append(_pages_condition(scan.root, scan.inventory.pages))
         last = self._node_status
-        if last is not None:
-            # a condition's transition time moves only when its status does (and before the
-            # comparison: made afresh each pass, it would make every pass look like a change)
-            self._keep_transition_time(status["conditions"], last.get("conditions") or [])
+        # a condition's transition time moves only when its status does (and before the
+        # comparison: made afresh each pass, it would make every pass look like a change)
+        status["conditions"] = merge_conditions(
+            last.get("conditions") if last is not None else None,
+            wanted,
+            None,
+            datetime.now(UTC),
+            keep_unset=False,
+        )
         steady = {k: v for k, v in status.items() if k not in _VOLATILE}
         steady["files"] = [
             {k: v for k, v in f.items() if k != "ageSeconds"} for f in status["files"]
@@ -153,15 +163,15 @@ class ClusterSink:
         take the agent for silent. The inventory last accepted stays (never an empty list: the
         operator would take every file for gone)."""
         why = f"{refused.status} {refused.reason}: {_api_message(refused)}"
-        conditions = [c for c in status["conditions"] if c["type"] != INVENTORY_CONDITION]
-        conditions.append(
-            _condition(
-                INVENTORY_CONDITION,
-                False,
-                "NotPublished",
-                f"the API server refused this node's status ({why}); only the heartbeat and "
-                f"free bytes are published, the inventory stays as last accepted",
-            )
+        not_published = Condition(
+            NodeConditionType.INVENTORY_COMPLETE,
+            False,
+            "NotPublished",
+            f"the API server refused this node's status ({why}); only the heartbeat and "
+            f"free bytes are published, the inventory stays as last accepted",
+        )
+        conditions = merge_conditions(
+            status["conditions"], [not_published], None, datetime.now(UTC)
         )
         small = {k: v for k, v in status.items() if k not in ("files", "reclaims")}
         small["conditions"] = conditions
@@ -185,22 +195,6 @@ class ClusterSink:
             _content_type=MERGE_PATCH,
             _request_timeout=REQUEST_TIMEOUT,
         )
-
-    @staticmethod
-    def _root_condition(problems: tuple[str, ...]) -> dict[str, Any]:
-        if not problems:
-            return _condition("RootSafe", True, "NoUnsafeEntries", "nothing unsafe found")
-        return _condition("RootSafe", False, "UnsafeEntries", "; ".join(problems))
-
-    @staticmethod
-    def _keep_transition_time(
-        conditions: list[dict[str, Any]], previous: list[dict[str, Any]]
-    ) -> None:
-        before = {c.get("type"): c for c in previous}
-        for condition in conditions:
-            old = before.get(condition["type"])
-            if old is not None and old.get("status") == condition["status"]:
-                condition["lastTransitionTime"] = old["lastTransitionTime"]
 
     # -- regions ---------------------------------------------------------------------------
 
@@ -288,33 +282,42 @@ class ClusterSink:
         log.warning("%s failed: %s %s; retried on the next pass", what, exc.status, exc.reason)
 
 
-INVENTORY_CONDITION = "InventoryComplete"
+def _root_condition(problems: tuple[str, ...]) -> Condition:
+    if not problems:
+        return Condition(
+            NodeConditionType.ROOT_SAFE, True, "NoUnsafeEntries", "nothing unsafe found"
+        )
+    return Condition(NodeConditionType.ROOT_SAFE, False, "UnsafeEntries", "; ".join(problems))
 
 
-def _condition(kind: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
-    return {
-        "type": kind,
-        "status": "True" if ok else "False",
-        "reason": reason,
-        "message": bounded(message, MAX_CONDITION_MESSAGE),
-        "lastTransitionTime": format_timestamp(datetime.now(UTC)),
-    }
-
-
-def _inventory_condition(published: PublishedFiles, found: int) -> dict[str, Any]:
+def _inventory_condition(published: PublishedFiles, found: int) -> Condition:
     if not published.omitted:
-        return _condition(INVENTORY_CONDITION, True, "AllListed", f"all {found} entries listed")
+        return Condition(
+            NodeConditionType.INVENTORY_COMPLETE, True, "AllListed", f"all {found} entries listed"
+        )
     by_count = sorted(published.omitted.items(), key=lambda item: (-item[1], item[0]))
     where = summarize([f"{count} in {namespace}" for namespace, count in by_count], "namespaces")
-    return _condition(
-        INVENTORY_CONDITION,
+    return Condition(
+        NodeConditionType.INVENTORY_COMPLETE,
         False,
         "Capped",
         f"{published.omitted_count} of {found} entries not listed ({where}): the OffloadNode "
-        f"lists at most {MAX_PUBLISHED_FILES} entries and {MAX_PUBLISHED_BYTES} bytes of them, "
-        f"retained files and pending reclaims first, then a fair share of each namespace and "
-        f"region directory. The operator neither reclaims nor counts a file it is not shown; "
-        f"remove the files that are no region's from those namespaces' directories",
+        f"lists at most {MAX_PUBLISHED_FILES} entries and {MAX_PUBLISHED_BYTES} bytes of them "
+        f"(docs/agent.md), and the operator neither reclaims nor counts a file it is not shown. "
+        f"Remove the files that are no region's from those namespaces' directories",
+    )
+
+
+def _pages_condition(root: str, pages: RootPages) -> Condition:
+    if is_huge(pages):
+        return Condition(
+            NodeConditionType.HUGE_PAGES,
+            True,
+            "HugePages",
+            f"region files get {describe_pages(pages)}",
+        )
+    return Condition(
+        NodeConditionType.HUGE_PAGES, False, "SmallPages", missing_huge_pages(root, pages)
     )
 
 

@@ -10,6 +10,7 @@ from kvshm.agent.gate import ReportGate
 from kvshm.agent.inventory import RootScan
 from kvshm.agent.printable import encodable, printable
 from kvshm.agent.reports import EventReason, PassResult
+from kvshm.agent.rootpages import describe_pages
 from kvshm.agent.sizes import format_bytes
 from kvshm.api import NodeRegionPhase, NodeReport
 
@@ -72,9 +73,10 @@ def format_table(reports: dict[str, NodeReport], scan: RootScan | None) -> str:
         lines.append("(no regions)")
     if scan is not None:
         inventory = scan.inventory
+        pages = "" if inventory.pages is None else f", {describe_pages(inventory.pages)}"
         lines.append(
             f"root {scan.root}: {format_bytes(inventory.capacity_bytes or 0)} capacity, "
-            f"{format_bytes(inventory.free_bytes or 0)} free"
+            f"{format_bytes(inventory.free_bytes or 0)} free{pages}"
         )
         for file in inventory.orphans:
             held = "held by a process" if file.held else "not held"

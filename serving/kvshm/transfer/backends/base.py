@@ -1,0 +1,48 @@
+"""The one interface every copy backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from enum import StrEnum
+from typing import Any, ClassVar
+
+from kvshm.transfer.batch import CopyBatch
+
+Stream = Any
+"""A torch.cuda.Stream for GPU backends; None for the CPU backend."""
+
+
+class BackendName(StrEnum):
+    """The copy backends by name: the plugin's kvshm_transfer_backend, KVSHM_TRANSFER_BACKEND,
+    the calibration cache's keys and the kvshm_transfer_jobs_total{backend} label."""
+
+    DMA = "dma"  # the copy engines, one descriptor a page (cuMemcpyBatchAsync)
+    KERNEL = "kernel"  # a Triton copy kernel on the SMs
+    STAGED = "staged"  # pages gathered into pinned staging buffers, large descriptors
+    STRIDED = "strided"  # one 2-D copy a block where the layout's rows allow
+    CPU = "cpu"  # memmove, where there is no CUDA
+
+
+class CopyBackend(ABC):
+    """Issues a batch of (source, destination, size) copies on a stream.
+
+    copy() may return an object that must stay alive until the copies are done (a device
+    copy of the descriptors, say); the caller keeps it until then, and releases it then if it
+    is a Lease. `after` is the stream whose queued work GPU->CPU copies must follow: `stream`
+    already waits for it, so only a backend that issues on other streams too needs it.
+    """
+
+    name: ClassVar[BackendName]
+
+    @abstractmethod
+    def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> object: ...
+
+
+class Lease(ABC):
+    """Something a job holds until its copies are done, then gives back for reuse."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def release(self) -> None:
+        """Called once, after the job's copies are done."""

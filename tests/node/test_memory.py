@@ -1,0 +1,195 @@
+"""Who pays for a region, and what the kubelet does about it under memory pressure
+(docs/deploy.md, "Memory: who pays for the regions" and "Priority and eviction").
+
+Every populated region byte is charged to the agent's memory cgroup. Under node memory
+pressure the kubelet ranks pods by usage above request, then priority: the agent comes first,
+yet evicting it frees nothing (the tmpfs pages stay). With the chart's default priority class,
+system-node-critical, the kubelet refuses to evict it and takes other pods instead. The node's
+pressure is made by raising the kubelet's memory.available threshold above what is free."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.node.chart import CHART, Release, component, wait
+from tests.node.node import EVICTION_HARD, Node, NodeError
+from tests.node.regions import apply_manifest, region_phase, remove_regions
+
+NAMESPACE = "pressure"
+GIB = 2**30
+REGION = {
+    "apiVersion": "kvshm.dev/v1alpha1",
+    "kind": "OffloadRegion",
+    "metadata": {"name": "charged", "namespace": NAMESPACE},
+    "spec": {"instanceId": "charged", "layout": {"numBlocks": 4096, "cpuPageSize": 65536,
+                                                   "numWorkers": 4}},
+}  # fmt: skip
+REGION_FILE = Path("/dev/shm/kvshm") / NAMESPACE / "charged" / "vllm_offload_charged.mmap"
+
+
+def _memory_cgroup(pod: dict) -> Path:
+    uid = pod["metadata"]["uid"]
+    [found] = Path("/sys/fs/cgroup/memory/kubepods").glob(f"**/pod{uid}")
+    return found
+
+
+def _cgroup_bytes(pod: dict) -> dict[str, int]:
+    stat = dict(
+        line.split() for line in (_memory_cgroup(pod) / "memory.stat").read_text().splitlines()
+    )
+    usage = int((_memory_cgroup(pod) / "memory.usage_in_bytes").read_text())
+    return {"usage": usage, "shmem": int(stat["total_shmem"]), "rss": int(stat["total_rss"])}
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no MemAvailable in /proc/meminfo")
+
+
+def _bystander(node: Node, image: str) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "bystander", "namespace": NAMESPACE},
+        "spec": {
+            "containers": [{"name": "sleep", "image": image, "imagePullPolicy": "Never",
+                            "command": ["sleep", "infinity"]}],
+            "terminationGracePeriodSeconds": 1,
+        },
+    }  # fmt: skip
+    apply_manifest(node, yaml.safe_dump(pod))
+    wait(lambda: _phase(node, "bystander") == "Running", 120, "the bystander Running", node)
+
+
+def _phase(node: Node, name: str) -> str | None:
+    try:
+        pod = json.loads(node.kubectl("get", "pod", name, "-n", NAMESPACE, "-o", "json"))
+    except NodeError:
+        return None
+    return str(pod["status"].get("phase"))
+
+
+def _evicted(node: Node, namespace: str) -> list[str]:
+    pods = json.loads(node.kubectl("get", "pods", "-n", namespace, "-o", "json"))["items"]
+    return [p["metadata"]["name"] for p in pods if (p["status"].get("reason") or "") == "Evicted"]
+
+
+@contextlib.contextmanager
+def memory_pressure(node: Node) -> Iterator[None]:
+    """The kubelet told to keep more memory free than the machine has: it reports MemoryPressure
+    and evicts; afterwards the thresholds are as before."""
+    total_mib = _mem_total() // 2**20
+    try:
+        node.configure_kubelet(
+            evictionHard={**EVICTION_HARD, "memory.available": f"{total_mib - 512}Mi"},
+            evictionPressureTransitionPeriod="5s",
+        )
+        yield
+    finally:
+        node.configure_kubelet(
+            evictionHard=dict(EVICTION_HARD), evictionPressureTransitionPeriod=None
+        )
+
+
+def _mem_total() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal in /proc/meminfo")
+
+
+def _agent(release: Release) -> dict:
+    pods = [p for p in release.pods() if component(p) == "agent"]
+    return max(pods, key=lambda p: p["metadata"]["creationTimestamp"])
+
+
+@pytest.fixture
+def charged(
+    node: Node, kvshm_image: str, helm_home: Path, figures: dict[str, str]
+) -> Iterator[Release]:
+    """The chart with a 1 GiB region populated and locked, a BestEffort bystander beside it."""
+    release = Release(node, helm_home)
+    release.install()
+    release.wait_ready()
+    node.kubectl("create", "namespace", NAMESPACE)
+    apply_manifest(node, yaml.safe_dump(REGION))
+    wait(lambda: region_phase(node, NAMESPACE, "charged") == "Ready", 120, "Ready", node)
+    charge = _cgroup_bytes(_agent(release))
+    figures["agent pod memory cgroup with 1 GiB of regions populated"] = (
+        f"usage {charge['usage'] / GIB:.2f} GiB (shmem {charge['shmem'] / GIB:.2f} GiB, "
+        f"rss {charge['rss'] / 2**20:.0f} MiB) against a request of 256 MiB"
+    )
+    assert charge["shmem"] >= GIB  # every region byte is the agent's
+    _bystander(node, kvshm_image)
+    yield release
+    remove_regions(node)
+    release.uninstall()
+    node.kubectl("delete", "namespace", NAMESPACE, "--wait=true", timeout=180)
+
+
+def test_a_critical_agent_is_never_evicted_under_memory_pressure(
+    node: Node, charged: Release, figures: dict[str, str]
+) -> None:
+    agent = _agent(charged)
+    with memory_pressure(node):
+        wait(lambda: "bystander" in _evicted(node, NAMESPACE), 180, "the bystander evicted", node)
+        # the eviction manager ranks the agent first (most memory above its request) and refuses
+        wait(
+            lambda: "cannot evict a critical pod" in node.log("kubelet"),
+            180, "the kubelet refusing to evict the agent", node,
+        )  # fmt: skip
+        evicted = _evicted(node, charged.namespace)
+        assert _agent(charged)["metadata"]["uid"] == agent["metadata"]["uid"]
+        assert _phase_of(_agent(charged)) == "Running" and agent["metadata"]["name"] not in evicted
+    assert REGION_FILE.exists() and region_phase(node, NAMESPACE, "charged") == "Ready"
+    figures["under memory pressure, agent at system-node-critical"] = (
+        "kept (the kubelet: cannot evict a critical pod); evicted instead: the BestEffort "
+        f"bystander and {', '.join(evicted) or 'no kvshm pod'}"
+    )
+
+
+def test_an_agent_of_no_priority_class_is_evicted_first_and_that_frees_nothing(
+    node: Node, charged: Release, figures: dict[str, str]
+) -> None:
+    charged.helm("upgrade", charged.name, str(CHART), "-n", charged.namespace,
+                 "--reuse-values", "--set", "agent.priorityClass.name=", "--wait")  # fmt: skip
+    wait(lambda: not _agent(charged)["spec"].get("priorityClassName"), 120, "no class", node)
+    charged.wait_ready()
+    available = _mem_available()
+    with memory_pressure(node):
+        # its DaemonSet replaces each evicted agent, and the kubelet evicts the next one too
+        evictions = wait(
+            lambda: len(e := _eviction_events(node, charged.namespace, "kvshm-agent-")) >= 2 and e,
+            180, "the agent evicted, twice", node,
+        )  # fmt: skip
+        # the region's pages stay: its file is there, and nothing came back to the node
+        assert REGION_FILE.exists() and REGION_FILE.stat().st_blocks * 512 >= GIB
+        assert _mem_available() < available + GIB // 2
+        others = _eviction_events(node, charged.namespace, "kvshm-operator-")
+    charged.wait_ready()
+    wait(lambda: region_phase(node, NAMESPACE, "charged") == "Ready", 120, "Ready again", node)
+    figures["under memory pressure, agent with no priority class"] = (
+        f"evicted {len(evictions)} times (each replacement again), the operator "
+        f"{len(others)} times; the 1 GiB region stayed on the tmpfs"
+    )
+
+
+def _eviction_events(node: Node, namespace: str, prefix: str) -> list[str]:
+    events = json.loads(node.kubectl("get", "events", "-n", namespace, "-o", "json"))["items"]
+    return [
+        e["involvedObject"]["name"]
+        for e in events
+        if e["reason"] == "Evicted" and e["involvedObject"]["name"].startswith(prefix)
+    ]
+
+
+def _phase_of(pod: dict) -> str:
+    return str(pod["status"].get("phase"))
