@@ -23,6 +23,7 @@ from kopf.testing import KopfRunner
 
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
 from kvshm.operator.config import ENV_PREFIX, OperatorConfig
+from kvshm.operator.memo import OperatorMemo
 from kvshm.operator.wiring import register
 from tests.envtest.fixtures import CHART_NAMESPACE
 from tests.waiting import wait_for
@@ -269,7 +270,7 @@ async def operator_in_loop(
     task = asyncio.create_task(
         kopf.operator(
             registry=register(kopf.OperatorRegistry(), config),
-            memo=kopf.Memo(config=config),
+            memo=OperatorMemo(config=config),
             clusterwide=True,
             standalone=True,
             stop_flag=stop,

@@ -10,9 +10,9 @@ from typing import Any
 
 import kopf
 
+from kvshm.operator.announcements import Announcement
 from kvshm.operator.book import RegionBook
 from kvshm.operator.kube import SpecEdit
-from kvshm.operator.regions import Announcement
 from tests.operator.builders import FINALIZER, cluster, region_body
 from tests.operator.harness import TEST_CONFIG
 

@@ -16,12 +16,15 @@ from kvshm.api import (
     RetainedFile,
     parse_offload_node,
 )
+from kvshm.api.events import EventReason
+from kvshm.operator import metrics
 from kvshm.operator.nodes import reclaims_after
 from kvshm.operator.orphans import (
     RECLAIM_RETRY_FIRST_SECONDS,
     RECLAIM_RETRY_MAX_SECONDS,
     OrphanClock,
     Refusal,
+    announcements,
     decide_reclaims,
 )
 from tests.operator.builders import NOW, agent, file
@@ -255,3 +258,53 @@ def test_an_answer_to_an_earlier_request_does_not_close_a_new_one() -> None:
     answer = ReclaimResult(ORPHAN.path, ReclaimOutcome.DONE, "removed", NOW + timedelta(seconds=60))
     answered = dataclasses.replace(node, status=NodeInventory(files=(orphan,), reclaims=(answer,)))
     assert [r.time for r in sweep(answered, at=61).results] == [answer.time]
+
+
+def _said(decision) -> list[tuple[bool, str]]:  # type: ignore[no-untyped-def]
+    return [(note.warning, note.reason) for note in announcements(decision)]
+
+
+def test_a_sweep_announces_what_it_decided_and_a_grace_period_is_not_news() -> None:
+    first = sweep(agent("a", files=(ORPHAN,)))
+    assert first.refusals and _said(first) == []  # only Refusal.GRACE: counted, not posted
+    due = sweep(agent("a", files=(ORPHAN,)), first.clock, at=GRACE)
+    [note] = announcements(due)
+    assert (note.warning, note.reason) == (False, EventReason.RECLAIM_REQUESTED)
+    assert ORPHAN.path in note.message and "8192 bytes" in note.message
+    held = file(ORPHAN.path, held=True)
+    assert _said(sweep(agent("a", files=(held,)))) == [(False, EventReason.RECLAIM_NOT_REQUESTED)]
+    withdrawn = sweep(agent("a", files=(held,), requests=(ORPHAN.path,)))
+    assert (True, EventReason.RECLAIM_WITHDRAWN) in _said(withdrawn)
+    dry = sweep(agent("a", files=(ORPHAN,)), first.clock, at=GRACE, dry_run=True)
+    assert _said(dry) == [(False, EventReason.WOULD_RECLAIM)]
+
+
+def test_the_agents_answers_are_announced_done_or_not() -> None:
+    done = sweep(agent("a", requests=(ORPHAN.path,), results={ORPHAN.path: "Done"}))
+    assert _said(done) == [(False, EventReason.RECLAIM_COMPLETED)]
+    failed = sweep(agent("a", requests=(ORPHAN.path,), results={ORPHAN.path: "Failed"}))
+    [note] = announcements(failed)
+    assert (note.warning, note.reason) == (True, EventReason.RECLAIM_NOT_DONE)
+    assert note.message.startswith(f"the agent did not reclaim {ORPHAN.path}: failed")
+
+
+def test_a_decision_is_counted_by_kind_and_refusal_reason() -> None:
+    def counts() -> tuple[float, float, float, float]:
+        refused = "kvshm_operator_decisions_refused_total"
+        return (
+            metrics.sample("kvshm_operator_reclaims_requested_total"),
+            metrics.sample(refused, {"reason": "held"}),
+            metrics.sample(refused, {"reason": "grace"}),
+            metrics.sample("kvshm_operator_reclaims_completed_total"),
+        )
+
+    before = counts()
+    first = sweep(agent("a", files=(ORPHAN,)))  # grace
+    metrics.count_reclaim_decision(first)
+    metrics.count_reclaim_decision(sweep(agent("a", files=(ORPHAN,)), first.clock, at=GRACE))
+    held = file(ORPHAN.path, held=True)
+    metrics.count_reclaim_decision(sweep(agent("a", files=(held,), requests=(ORPHAN.path,))))
+    answered = agent("a", requests=(ORPHAN.path,), results={ORPHAN.path: "Done"})
+    metrics.count_reclaim_decision(sweep(answered))
+    after = counts()
+    assert [b - a for a, b in zip(before, after, strict=True)] == [1, 1, 1, 1]

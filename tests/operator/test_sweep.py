@@ -14,6 +14,7 @@ import pytest
 from kvshm.operator import handlers
 from kvshm.operator.cluster import ClusterSnapshot, Snapshots
 from kvshm.operator.kube import SpecEdit
+from kvshm.operator.memo import OperatorMemo
 from tests.operator.builders import agent, cluster, file
 from tests.operator.harness import TEST_CONFIG
 
@@ -51,7 +52,7 @@ def _sweep(views: list[ClusterSnapshot]) -> tuple[FakeWriter, int]:
     }
     built = iter(views)
     writer = FakeWriter()
-    memo = kopf.Memo(
+    memo = OperatorMemo(
         config=TEST_CONFIG,
         book=FakeBook(),
         writer=writer,

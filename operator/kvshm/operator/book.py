@@ -23,12 +23,14 @@ import kopf
 from kvshm.api import REGION_PLURAL, SpecError, parse_offload_region, region_key
 from kvshm.api.events import EventReason
 from kvshm.operator import metrics
+from kvshm.operator.announcements import Announcement
+from kvshm.operator.announcements import post as post_event
 from kvshm.operator.cluster import ClusterSnapshot
 from kvshm.operator.config import OperatorConfig
 from kvshm.operator.finalizers import add_ops, remove_ops
 from kvshm.operator.kube import ClusterWriter, SpecRefused
 from kvshm.operator.nodes import add_retained, retained_entry
-from kvshm.operator.regions import Announcement, RegionPlan, plan_region
+from kvshm.operator.regions import RegionPlan, plan_region
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ class RegionBook:
     ) -> None:
         self._config, self._writer, self._cluster = config, writer, cluster
         self._finalizer = finalizer
-        self._post = post or _post_event
+        self._post = post or post_event
         self._bodies: dict[str, dict[str, Any]] = {}
         self._marked: dict[str, str] = {}  # key -> metric label: decide as soon as possible
         self._due: dict[str, float] = {}  # key -> monotonic time its deferred status is due
@@ -286,8 +288,3 @@ class RegionBook:
         region = kopf.Body(cast(kopf.RawBody, dict(body)))
         for note in notes:
             self._post(region, note)
-
-
-def _post_event(region: kopf.Body, note: Announcement) -> None:
-    post = kopf.warn if note.warning else kopf.info
-    post(region, reason=note.reason, message=note.message)

@@ -19,20 +19,22 @@ from kvshm.api import (
     NODE_PLURAL,
     InvalidAddressError,
     OffloadNode,
-    ReclaimOutcome,
     RegionAddress,
     parse_offload_node,
 )
 from kvshm.api.events import EventReason
-from kvshm.api.reading import MAX_RECLAIMS, format_timestamp
+from kvshm.api.reading import MAX_RECLAIMS
 from kvshm.operator import metrics
+from kvshm.operator.announcements import Announcement
+from kvshm.operator.announcements import post as post_event
 from kvshm.operator.book import RegionBook
 from kvshm.operator.cluster import ClusterSnapshot, Snapshots, first_values
 from kvshm.operator.config import OperatorConfig
 from kvshm.operator.finalizers import remove_ops
-from kvshm.operator.kube import ClusterWriter, KubernetesClientWriter
+from kvshm.operator.kube import KubernetesClientWriter
+from kvshm.operator.memo import OperatorMemo
 from kvshm.operator.nodes import forget_retained, reclaims_after, removal_reason
-from kvshm.operator.orphans import OrphanClock, OrphanDecision, Refusal, decide_reclaims
+from kvshm.operator.orphans import OrphanDecision, announcements, decide_reclaims
 from kvshm.operator.settings import FINALIZER, configure
 
 # how old the cluster a decision reads may be: hundreds of sweeps a second at thousands of
@@ -44,21 +46,14 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _config(memo: kopf.Memo) -> OperatorConfig:
-    config = getattr(memo, "config", None)
-    if not isinstance(config, OperatorConfig):  # only before start-up has run
-        config = memo.config = OperatorConfig.from_env()
-    return config
-
-
 # --- start-up --------------------------------------------------------------------------------
 
 
-async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **indexes: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: OperatorMemo, **indexes: Any) -> None:
     """Settings for kvshm; the config comes from main() through the memo, else from the env."""
-    config = _config(memo)
+    config = memo.operator_config()
     configure(settings, config)
-    if getattr(memo, "writer", None) is None:
+    if memo.get("writer") is None:
         memo.writer = KubernetesClientWriter()
     # kopf's indexes are live views, copied at most once a SNAPSHOT_SECONDS for every decision
     memo.views = Snapshots(lambda: _cluster(config, indexes), SNAPSHOT_SECONDS)
@@ -66,10 +61,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **indexes: A
     metrics.serve_once(config.metrics_port)
 
 
-async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+async def cleanup(memo: OperatorMemo, **_: Any) -> None:
     """Stop the book's task with the operator (in a test's loop, it would outlive it)."""
-    book: RegionBook | None = getattr(memo, "book", None)
-    if book is not None:
+    book = memo.get("book")
+    if isinstance(book, RegionBook):
         await book.stop()
 
 
@@ -127,10 +122,10 @@ def _cluster(config: OperatorConfig, indexes: Mapping[str, Any]) -> ClusterSnaps
 # --- OffloadRegion: the book decides and writes ---------------------------------------------
 
 
-async def region_changed(type: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+async def region_changed(type: str, body: kopf.Body, memo: OperatorMemo, **_: Any) -> None:
     """Every change (a create, an agent's report, a spec edit, a deletion) is decided again at
     once, by the book's task: this handler never waits for the API server."""
-    book: RegionBook = memo.book
+    book = memo.book
     key = book.observe(body)
     if type == "DELETED":
         book.forget(key)
@@ -142,7 +137,7 @@ async def region_changed(type: str, body: kopf.Body, memo: kopf.Memo, **_: Any) 
 
 
 async def sweep_node(
-    name: str, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+    name: str, body: kopf.Body, memo: OperatorMemo, logger: kopf.Logger, **_: Any
 ) -> None:
     """Remove the OffloadNode of a gone node; else decide reclaims from its inventory.
 
@@ -151,21 +146,20 @@ async def sweep_node(
     ends the object's timer for good. An error here is the handler's: kopf logs it, the
     metrics count it, and the next sweep runs as usual (wiring: errors are temporary).
     """
-    book: RegionBook = memo.book
-    book.tick()
-    views: Snapshots = memo.views
+    memo.book.tick()
+    views = memo.views
     cluster = views.get()
     node = parse_offload_node(body)
     if node is None:
         return  # no node is named so: nothing speaks for it, nothing to decide
-    writer: ClusterWriter = memo.writer
+    writer = memo.writer
     reason = removal_reason(node, cluster)
     if reason is not None:
         # Only on a current view: in the shared one a Node or a heartbeat seen less than
         # SNAPSHOT_SECONDS ago can be missing, and a live node's OffloadNode was deleted so.
         reason = removal_reason(node, views.get(fresh=True))
     if reason is not None:
-        kopf.warn(body, reason=EventReason.NODE_GONE, message=reason)
+        post_event(body, Announcement(True, EventReason.NODE_GONE, reason))
         await writer.delete_offload_node(name)
         metrics.TOTALS.set_node_orphans(name, None)
         return
@@ -188,17 +182,19 @@ async def sweep_node(
             f"(at most {MAX_RECLAIMS} at once): they are requested as earlier ones are answered"
         )
     metrics.TOTALS.set_node_orphans(name, len(decision.orphans), decision.orphaned_bytes)
-    _announce_reclaims(body, decision)
+    metrics.count_reclaim_decision(decision)
+    for note in announcements(decision):
+        post_event(body, note)
 
 
 def _decide_reclaims(
-    node: OffloadNode, cluster: ClusterSnapshot, memo: kopf.Memo
+    node: OffloadNode, cluster: ClusterSnapshot, memo: OperatorMemo
 ) -> OrphanDecision:
-    config = _config(memo)
+    config = memo.operator_config()
     return decide_reclaims(
         node,
         cluster.regions.values(),
-        getattr(memo, "orphan_clock", None) or OrphanClock(),
+        memo.orphan_clock_or_new(),
         cluster.now,
         config.orphan_grace_seconds,
         config.orphan_dry_run,
@@ -206,52 +202,8 @@ def _decide_reclaims(
     )
 
 
-def _announce_reclaims(body: kopf.Body, decision: OrphanDecision) -> None:
-    for request in decision.requests:
-        metrics.RECLAIMS_REQUESTED.inc()
-        kopf.info(
-            body,
-            reason=EventReason.RECLAIM_REQUESTED,
-            message=f"{request.path} ({request.size_bytes} bytes) is an orphan since "
-            f"{format_timestamp(request.orphaned_since)}: asked the agent to reclaim it",
-        )
-    for request in decision.would_reclaim:
-        kopf.info(
-            body,
-            reason=EventReason.WOULD_RECLAIM,
-            message=f"dry run: {request.path} ({request.size_bytes} bytes) is an orphan past "
-            "the grace period and would be reclaimed",
-        )
-    for refused in decision.refusals:
-        metrics.DECISIONS_REFUSED.labels(reason=refused.reason.value).inc()
-        if refused.reason is not Refusal.GRACE:
-            kopf.info(body, reason=EventReason.RECLAIM_NOT_REQUESTED, message=refused.message)
-    for withdrawn in decision.withdrawals:
-        metrics.DECISIONS_REFUSED.labels(reason=withdrawn.reason.value).inc()
-        kopf.warn(
-            body,
-            reason=EventReason.RECLAIM_WITHDRAWN,
-            message=f"withdrew the reclaim request: {withdrawn.message}",
-        )
-    for result in decision.results:
-        if result.outcome is ReclaimOutcome.DONE:
-            metrics.RECLAIMS_COMPLETED.inc()
-            kopf.info(
-                body,
-                reason=EventReason.RECLAIM_COMPLETED,
-                message=f"the agent reclaimed {result.path}",
-            )
-        else:
-            kopf.warn(
-                body,
-                reason=EventReason.RECLAIM_NOT_DONE,
-                message=f"the agent did not reclaim {result.path}: {result.outcome.value} "
-                f"{result.message}".strip(),
-            )
-
-
 async def offload_node_changed(
-    type: str, name: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any
+    type: str, name: str, meta: kopf.Meta, memo: OperatorMemo, **_: Any
 ) -> None:
     if type == "DELETED":
         metrics.TOTALS.set_node_orphans(name, None)
@@ -259,5 +211,4 @@ async def offload_node_changed(
     # kopf's timer finalizer was once named as the regions' is: kopf no longer removes it
     ops = remove_ops(meta, FINALIZER)
     if ops is not None:
-        writer: ClusterWriter = memo.writer
-        await writer.json_patch(NODE_PLURAL, None, name, ops)
+        await memo.writer.json_patch(NODE_PLURAL, None, name, ops)

@@ -16,6 +16,7 @@ from kopf._core.engines.peering import Identity  # kopf.run's type; not re-expor
 
 from kvshm.operator.config import ENV_PREFIX, ConfigError, OperatorConfig
 from kvshm.operator.logs import configure_logging
+from kvshm.operator.memo import OperatorMemo
 from kvshm.operator.wiring import register
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
@@ -84,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     liveness = None if args.liveness.lower() == "none" else args.liveness
     kopf.run(
         registry=register(kopf.OperatorRegistry(), config),
-        memo=kopf.Memo(config=config),
+        memo=OperatorMemo(config=config),
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=liveness,

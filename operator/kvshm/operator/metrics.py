@@ -14,7 +14,8 @@ from typing import ParamSpec, TypeVar
 import kopf
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from kvshm.api import RegionPhase
+from kvshm.api import ReclaimOutcome, RegionPhase
+from kvshm.operator.orphans import OrphanDecision, Refusal
 
 REGISTRY = CollectorRegistry()
 
@@ -66,8 +67,18 @@ DECISIONS_REFUSED = Counter(
 
 for _phase in RegionPhase:
     REGIONS.labels(phase=_phase.value)
-for _reason in ("held", "claimed", "grace"):
-    DECISIONS_REFUSED.labels(reason=_reason)
+for _refusal in Refusal:
+    DECISIONS_REFUSED.labels(reason=_refusal.value)
+
+
+def count_reclaim_decision(decision: OrphanDecision) -> None:
+    """A sweep's decision in the reclaim counters: requests written, refusals and withdrawals
+    by reason, reclaims the agents reported done."""
+    RECLAIMS_REQUESTED.inc(len(decision.requests))
+    for refused in (*decision.refusals, *decision.withdrawals):
+        DECISIONS_REFUSED.labels(reason=refused.reason.value).inc()
+    done = sum(result.outcome is ReclaimOutcome.DONE for result in decision.results)
+    RECLAIMS_COMPLETED.inc(done)
 
 
 class PerKeyTotals:

@@ -31,7 +31,9 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 
 from kvshm.api import InventoryFile, OffloadNode, ReclaimOutcome, ReclaimRequest, ReclaimResult
+from kvshm.api.events import EventReason
 from kvshm.api.reading import MAX_RECLAIMS, format_timestamp
+from kvshm.operator.announcements import Announcement
 from kvshm.operator.backoff import backoff_seconds
 
 # After an answer other than Done (the agent could not, or would not, remove the file), the
@@ -276,3 +278,54 @@ def decide_reclaims(
             )
         ),
     )
+
+
+def announcements(decision: OrphanDecision) -> tuple[Announcement, ...]:
+    """The Events a sweep's decision owes its OffloadNode: requests, dry-run findings, refusals
+    that started (a grace period is not news), withdrawals and the agents' answers."""
+    notes = [
+        Announcement(
+            False,
+            EventReason.RECLAIM_REQUESTED,
+            f"{due.path} ({due.size_bytes} bytes) is an orphan since "
+            f"{format_timestamp(due.orphaned_since)}: asked the agent to reclaim it",
+        )
+        for due in decision.requests
+    ]
+    notes.extend(
+        Announcement(
+            False,
+            EventReason.WOULD_RECLAIM,
+            f"dry run: {due.path} ({due.size_bytes} bytes) is an orphan past the grace period "
+            "and would be reclaimed",
+        )
+        for due in decision.would_reclaim
+    )
+    notes.extend(
+        Announcement(False, EventReason.RECLAIM_NOT_REQUESTED, refused.message)
+        for refused in decision.refusals
+        if refused.reason is not Refusal.GRACE
+    )
+    notes.extend(
+        Announcement(
+            True,
+            EventReason.RECLAIM_WITHDRAWN,
+            f"withdrew the reclaim request: {withdrawn.message}",
+        )
+        for withdrawn in decision.withdrawals
+    )
+    for result in decision.results:
+        if result.outcome is ReclaimOutcome.DONE:
+            notes.append(
+                Announcement(
+                    False, EventReason.RECLAIM_COMPLETED, f"the agent reclaimed {result.path}"
+                )
+            )
+        else:
+            message = f"the agent did not reclaim {result.path}: {result.outcome.value} "
+            notes.append(
+                Announcement(
+                    True, EventReason.RECLAIM_NOT_DONE, f"{message}{result.message}".strip()
+                )
+            )
+    return tuple(notes)

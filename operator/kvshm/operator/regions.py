@@ -29,6 +29,7 @@ from kvshm.api import (
 )
 from kvshm.api.conditions import ConditionType
 from kvshm.api.events import EventReason
+from kvshm.operator.announcements import Announcement
 from kvshm.operator.cluster import ClusterSnapshot
 from kvshm.operator.deletion import decide_release
 from kvshm.operator.phases import (
@@ -40,15 +41,6 @@ from kvshm.operator.phases import (
 )
 
 SETTLED = frozenset(phase.value for phase in ANNOUNCED_PHASES)
-
-
-@dataclass(frozen=True)
-class Announcement:
-    """An Event about the region."""
-
-    warning: bool
-    reason: str
-    message: str
 
 
 @dataclass(frozen=True)
