@@ -7,6 +7,7 @@ decision functions take it as one argument (and tests build it by hand).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -17,6 +18,9 @@ from typing import TypeVar
 from kvshm.api import OffloadNode
 
 T = TypeVar("T")
+
+
+_DERIVED = ("region_paths", "live_region_paths")  # ClusterSnapshot's cached properties
 
 
 class AgentState(StrEnum):
@@ -36,6 +40,23 @@ class ClusterSnapshot:
     silence_seconds: float
     regions: Mapping[str, str] = field(default_factory=dict)  # region key -> its file 0 path
     live_regions: Mapping[str, str] = field(default_factory=dict)  # those not being deleted
+
+    @functools.cached_property
+    def region_paths(self) -> frozenset[str]:
+        """Every region's file 0 path, built once a snapshot: every node's sweep reads it."""
+        return frozenset(self.regions.values())
+
+    @functools.cached_property
+    def live_region_paths(self) -> frozenset[str]:
+        return frozenset(self.live_regions.values())
+
+    def at(self, now: datetime) -> ClusterSnapshot:
+        """This snapshot as of `now`, sharing the path sets derived from it (built once for
+        every decision that reads the snapshot, not once for each)."""
+        moved = dataclasses.replace(self, now=now)
+        for name in _DERIVED:
+            moved.__dict__[name] = getattr(self, name)  # where cached_property keeps it
+        return moved
 
     def agent_state(self, node: str) -> AgentState:
         agent = self.agents.get(node)
@@ -93,4 +114,4 @@ class Snapshots:
         taken = time.monotonic()
         if fresh or self._taken is None or taken - self._taken[0] > self._max_age:
             self._taken = (taken, self._build())
-        return dataclasses.replace(self._taken[1], now=datetime.now(UTC))
+        return self._taken[1].at(datetime.now(UTC))

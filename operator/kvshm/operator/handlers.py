@@ -193,12 +193,12 @@ def _decide_reclaims(
     config = memo.operator_config()
     return decide_reclaims(
         node,
-        cluster.regions.values(),
+        cluster.region_paths,
         memo.orphan_clock_or_new(),
         cluster.now,
         config.orphan_grace_seconds,
         config.orphan_dry_run,
-        live_paths=cluster.live_regions.values(),
+        live_paths=cluster.live_region_paths,
     )
 
 

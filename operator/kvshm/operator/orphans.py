@@ -190,7 +190,7 @@ def decide_reclaims(
     claimed_paths are the files of every OffloadRegion, deleting ones included (none of them
     is an orphan); live_paths those of regions not being deleted (a retained file one of them
     claims is in use again)."""
-    claimed = frozenset(claimed_paths)
+    claimed = frozenset(claimed_paths)  # the same object where a frozenset is passed
     live = frozenset(live_paths)
     requested = {request.path: request for request in node.reclaims}
     pending = requested.keys()
