@@ -14,12 +14,12 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import kubernetes
 
-from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION, RegionAddress
+from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION, InventoryFile, RegionAddress
 
 CAPACITY = 2**40
 
@@ -129,13 +129,12 @@ class Fleet:
 
     # -- what tests and the benchmark steer ---------------------------------------------------
     def add_orphan(self, node: str, path: str, size: int, held: bool = False) -> None:
+        """A file no region claims, published as the agent does: unheld, with the second it
+        was first seen an orphan (rounded up), from which the operator's grace period runs."""
+        seen = None if held else datetime.now(UTC) + timedelta(microseconds=999_999)
+        entry = InventoryFile(path, size, "", held, orphaned_since=seen).to_status()
         with self._lock:
-            self.nodes[node].files[path] = {
-                "path": path,
-                "sizeBytes": size,
-                "claimedBy": "",
-                "held": held,
-            }
+            self.nodes[node].files[path] = entry
             self.nodes[node].dirty = True
 
     # -- regions -------------------------------------------------------------------------------
@@ -183,12 +182,7 @@ class Fleet:
             if wanted == "Ready":
                 self._patch_region(meta, node, {"phase": "Creating", "path": path})
                 with self._lock:
-                    self.nodes[node].files[path] = {
-                        "path": path,
-                        "sizeBytes": size,
-                        "claimedBy": key,
-                        "held": False,
-                    }
+                    self.nodes[node].files[path] = InventoryFile(path, size, key, False).to_status()
                     self.nodes[node].dirty = True
                 self._patch_region(
                     meta,
