@@ -32,7 +32,7 @@ from kvshm.operator.cluster import ClusterSnapshot, Snapshots, first_values
 from kvshm.operator.config import OperatorConfig
 from kvshm.operator.finalizers import remove_ops
 from kvshm.operator.kube import KubernetesClientWriter
-from kvshm.operator.memo import OperatorMemo
+from kvshm.operator.memo import OperatorMemo, operator_config, orphan_clock
 from kvshm.operator.nodes import forget_retained, reclaims_after, removal_reason
 from kvshm.operator.orphans import OrphanDecision, announcements, decide_reclaims
 from kvshm.operator.settings import FINALIZER, configure
@@ -51,7 +51,7 @@ def _now() -> datetime:
 
 async def startup(settings: kopf.OperatorSettings, memo: OperatorMemo, **indexes: Any) -> None:
     """Settings for kvshm; the config comes from main() through the memo, else from the env."""
-    config = memo.operator_config()
+    config = operator_config(memo)
     configure(settings, config)
     if memo.get("writer") is None:
         memo.writer = KubernetesClientWriter()
@@ -190,11 +190,11 @@ async def sweep_node(
 def _decide_reclaims(
     node: OffloadNode, cluster: ClusterSnapshot, memo: OperatorMemo
 ) -> OrphanDecision:
-    config = memo.operator_config()
+    config = operator_config(memo)
     return decide_reclaims(
         node,
         cluster.region_paths,
-        memo.orphan_clock_or_new(),
+        orphan_clock(memo),
         cluster.now,
         config.orphan_grace_seconds,
         config.orphan_dry_run,

@@ -3,7 +3,7 @@
 kopf hands each object's handlers a shallow copy of the operator's memo, so the parts made at
 start-up are shared by all, and what a handler sets (an OffloadNode's orphan clock) is that
 object's own. Under `kopf run` the memo is kopf's plain Memo with the same keys, so this type
-adds names and types, never behaviour.
+adds names and types, never behaviour (and no method a handler may call).
 """
 
 from __future__ import annotations
@@ -26,13 +26,19 @@ class OperatorMemo(kopf.Memo):
     book: RegionBook  # the OffloadRegions' decisions and writes
     orphan_clock: OrphanClock  # an OffloadNode's memory between its sweeps
 
-    def operator_config(self) -> OperatorConfig:
-        """The config, reading the environment's once where no main() put one here."""
-        config = self.get("config")
-        if not isinstance(config, OperatorConfig):
-            config = self.config = OperatorConfig.from_env()
-        return config
 
-    def orphan_clock_or_new(self) -> OrphanClock:
-        clock = self.get("orphan_clock")
-        return clock if isinstance(clock, OrphanClock) else OrphanClock()
+# Functions, not methods: under `kopf run` the memo is kopf's own Memo, which has neither.
+
+
+def operator_config(memo: OperatorMemo) -> OperatorConfig:
+    """The config, reading the environment's once where no main() put one in the memo."""
+    config = memo.get("config")
+    if not isinstance(config, OperatorConfig):
+        config = memo.config = OperatorConfig.from_env()
+    return config
+
+
+def orphan_clock(memo: OperatorMemo) -> OrphanClock:
+    """An OffloadNode's orphan clock from its last sweep, or a new one."""
+    clock = memo.get("orphan_clock")
+    return clock if isinstance(clock, OrphanClock) else OrphanClock()
