@@ -17,6 +17,7 @@ from typing import Any, Protocol, cast
 
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
 from kvshm.api.messages import status_message
+from kvshm.api.requests import REQUEST_TIMEOUT
 
 # spec.retained is a list written whole; edits are read-modify-write, made safe by sending
 # the resourceVersion read (a conflict means someone wrote in between: read again).
@@ -77,7 +78,7 @@ class ClusterWriter(Protocol):
 class KubernetesClientWriter:
     """ClusterWriter over the official kubernetes client."""
 
-    def __init__(self) -> None:
+    def __init__(self, request_timeout: tuple[float, float] = REQUEST_TIMEOUT) -> None:
         import kubernetes
 
         configuration = client_configuration()
@@ -86,6 +87,7 @@ class KubernetesClientWriter:
         self._api = kubernetes.client.CustomObjectsApi(client)
         self._api_error = kubernetes.client.ApiException
         self._threads = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="kvshm-write")
+        self._timeout = request_timeout  # a hung server holds a write thread this long at most
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn)
@@ -101,11 +103,24 @@ class KubernetesClientWriter:
             try:
                 if namespace is None:
                     result = self._api.patch_cluster_custom_object(
-                        GROUP, VERSION, plural, name, body, _content_type=JSON_PATCH
+                        GROUP,
+                        VERSION,
+                        plural,
+                        name,
+                        body,
+                        _content_type=JSON_PATCH,
+                        _request_timeout=self._timeout,
                     )
                 else:
                     result = self._api.patch_namespaced_custom_object(
-                        GROUP, VERSION, namespace, plural, name, body, _content_type=JSON_PATCH
+                        GROUP,
+                        VERSION,
+                        namespace,
+                        plural,
+                        name,
+                        body,
+                        _content_type=JSON_PATCH,
+                        _request_timeout=self._timeout,
                     )
             except self._api_error as exc:
                 if exc.status in (404, TEST_FAILED):
@@ -121,7 +136,13 @@ class KubernetesClientWriter:
         def patch() -> dict[str, Any] | None:
             try:
                 result = self._api.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, namespace, REGION_PLURAL, name, {"status": dict(status)}
+                    GROUP,
+                    VERSION,
+                    namespace,
+                    REGION_PLURAL,
+                    name,
+                    {"status": dict(status)},
+                    _request_timeout=self._timeout,
                 )
             except self._api_error as exc:
                 if exc.status == 404:
@@ -134,7 +155,9 @@ class KubernetesClientWriter:
     async def delete_offload_node(self, name: str) -> bool:
         def delete() -> bool:
             try:
-                self._api.delete_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, name)
+                self._api.delete_cluster_custom_object(
+                    GROUP, VERSION, NODE_PLURAL, name, _request_timeout=self._timeout
+                )
             except self._api_error as exc:
                 if exc.status == 404:
                     return False
@@ -148,7 +171,9 @@ class KubernetesClientWriter:
             try:
                 current = cast(
                     dict[str, Any],
-                    self._api.get_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, name),
+                    self._api.get_cluster_custom_object(
+                        GROUP, VERSION, NODE_PLURAL, name, _request_timeout=self._timeout
+                    ),
                 )
             except self._api_error as exc:
                 if exc.status == 404:
@@ -160,7 +185,9 @@ class KubernetesClientWriter:
             version = current["metadata"]["resourceVersion"]
             body = {"metadata": {"resourceVersion": version}, "spec": spec_patch}
             try:
-                self._api.patch_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, name, body)
+                self._api.patch_cluster_custom_object(
+                    GROUP, VERSION, NODE_PLURAL, name, body, _request_timeout=self._timeout
+                )
             except self._api_error as exc:
                 if exc.status == 409:
                     continue

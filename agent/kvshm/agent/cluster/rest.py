@@ -13,7 +13,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-REQUEST_TIMEOUT = (5, 30)
+from kvshm.api.requests import REQUEST_TIMEOUT
 
 
 def request(

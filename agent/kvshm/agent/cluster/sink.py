@@ -46,13 +46,13 @@ from kvshm.api.address import split_region_key
 from kvshm.api.conditions import Condition, NodeConditionType, merge_conditions
 from kvshm.api.messages import bounded, status_message, summarize
 from kvshm.api.reading import format_timestamp
+from kvshm.api.requests import REQUEST_TIMEOUT
 
 log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
 EVENT_COMPONENT = "kvshm-agent"
 NODE_EVENT_NAMESPACE = "default"  # Events about a cluster-scoped OffloadNode live here
-REQUEST_TIMEOUT = (5, 30)
 _VOLATILE = ("heartbeat", "freeBytes")  # change every pass; sent at the heartbeat's pace
 
 
