@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,22 +118,55 @@ def charged(
 ) -> Iterator[Release]:
     """The chart with a 1 GiB region populated and locked, a BestEffort bystander beside it."""
     release = Release(node, helm_home)
-    release.install()
-    release.wait_ready()
-    node.kubectl("create", "namespace", NAMESPACE)
-    apply_manifest(node, yaml.safe_dump(REGION))
-    wait(lambda: region_phase(node, NAMESPACE, "charged") == "Ready", 120, "Ready", node)
-    charge = _cgroup_bytes(_agent(release))
-    figures["agent pod memory cgroup with 1 GiB of regions populated"] = (
-        f"usage {charge['usage'] / GIB:.2f} GiB (shmem {charge['shmem'] / GIB:.2f} GiB, "
-        f"rss {charge['rss'] / 2**20:.0f} MiB) against a request of 256 MiB"
-    )
-    assert charge["shmem"] >= GIB  # every region byte is the agent's
-    _bystander(node, kvshm_image)
+    try:
+        release.install()
+        release.wait_ready()
+        node.kubectl("create", "namespace", NAMESPACE)
+        apply_manifest(node, yaml.safe_dump(REGION))
+        wait(lambda: region_phase(node, NAMESPACE, "charged") == "Ready", 120, "Ready", node)
+        agent = _agent(release)
+        # the kernel folds per-CPU memory counters into memory.stat lazily (every 2 s at most)
+        deadline = time.monotonic() + 30
+        while (charge := _cgroup_bytes(agent))["shmem"] < GIB and time.monotonic() < deadline:
+            time.sleep(0.5)
+        figures["agent pod memory cgroup with 1 GiB of regions populated"] = (
+            f"usage {charge['usage'] / GIB:.2f} GiB (shmem {charge['shmem'] / GIB:.2f} GiB, "
+            f"rss {charge['rss'] / 2**20:.0f} MiB) against a request of 256 MiB"
+        )
+        assert charge["shmem"] >= GIB, (  # every region byte is the agent's
+            f"the agent pod's cgroup holds {charge['shmem']} bytes of shmem, not the region's "
+            f"{GIB}: {_charge_evidence(node, agent)}"
+        )
+        _bystander(node, kvshm_image)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the set-up's own error is the one to report
+            _remove(node, release)  # a failed set-up must not leave the release to the next test
+        raise
     yield release
+    _remove(node, release)
+
+
+def _remove(node: Node, release: Release) -> None:
     remove_regions(node)
     release.uninstall()
-    node.kubectl("delete", "namespace", NAMESPACE, "--wait=true", timeout=180)
+    node.kubectl("delete", "namespace", NAMESPACE, "--wait=true", "--ignore-not-found", timeout=180)
+
+
+def _charge_evidence(node: Node, agent: dict) -> str:
+    """What says where the region's pages went: the agent's restarts, the root's mount, the
+    file, and the shmem of every pod cgroup."""
+    statuses = agent["status"].get("containerStatuses") or []
+    restarts = {c["name"]: c.get("restartCount") for c in statuses}
+    mounts = [line for line in Path("/proc/mounts").read_text().splitlines() if "kvshm" in line]
+    size = REGION_FILE.stat().st_size if REGION_FILE.exists() else None
+    pods = {}
+    for cgroup in Path("/sys/fs/cgroup/memory/kubepods").glob("**/pod*"):
+        stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+        pods[cgroup.name] = int(stat["total_shmem"])
+    return (
+        f"agent {agent['metadata']['name']} restarts {restarts}; mounts {mounts}; region file "
+        f"{size} bytes; total_shmem by pod cgroup {pods}; {node.log('kubelet')[-1500:]}"
+    )
 
 
 def test_a_critical_agent_is_never_evicted_under_memory_pressure(
