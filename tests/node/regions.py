@@ -7,8 +7,18 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tests.envtest import manifests
 from tests.node.chart import wait
 from tests.node.node import Node, NodeError
+
+# the serving pods' uid and group (examples/serving), owners of a tenant's region
+TENANT_ACCESS = {"uid": 1000, "gid": 1000, "mode": 0o600}
+
+
+def offload_region(namespace: str, name: str, blocks: int, **spec: Any) -> dict[str, Any]:
+    """An OffloadRegion named as its instance id: `blocks` rows of four 64 KiB worker cells."""
+    layout = {"numBlocks": blocks, "cpuPageSize": 65536, "numWorkers": 4}
+    return manifests.region(name, namespace, instanceId=name, layout=layout, **spec)
 
 
 def apply_manifest(node: Node, text: str) -> str:

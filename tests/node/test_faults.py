@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -17,8 +18,10 @@ from tests.agent.builders import holding
 from tests.node.chart import Release, component, wait
 from tests.node.node import Node
 from tests.node.regions import (
+    TENANT_ACCESS,
     apply_manifest,
     node_report,
+    offload_region,
     region,
     region_phase,
     remove_regions,
@@ -28,17 +31,8 @@ NAMESPACE = "faults"
 ROOT = Path("/dev/shm/kvshm")
 
 
-def _region(name: str, blocks: int = 1024) -> dict[str, object]:
-    return {
-        "apiVersion": "kvshm.dev/v1alpha1",
-        "kind": "OffloadRegion",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "instanceId": name,
-            "layout": {"numBlocks": blocks, "cpuPageSize": 65536, "numWorkers": 4},
-            "access": {"uid": 1000, "gid": 1000, "mode": 0o600},
-        },
-    }
+def _region(name: str, blocks: int = 1024) -> dict[str, Any]:
+    return offload_region(NAMESPACE, name, blocks, access=TENANT_ACCESS)
 
 
 def _file(name: str) -> Path:

@@ -21,7 +21,14 @@ import yaml
 from tests.huge_pages import assert_mapped_huge, fallbacks_since_now
 from tests.node.chart import CHART, Release, component, wait
 from tests.node.node import NODE_NAME, REGION_ROOT, Node
-from tests.node.regions import apply_manifest, node_report, region_phase, remove_regions
+from tests.node.regions import (
+    TENANT_ACCESS,
+    apply_manifest,
+    node_report,
+    offload_region,
+    region_phase,
+    remove_regions,
+)
 
 NAMESPACE = "huge"
 HUGE_PAGE = 2**21
@@ -29,16 +36,7 @@ GIB = 2**30
 
 
 def _region(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvshm.dev/v1alpha1",
-        "kind": "OffloadRegion",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "instanceId": name,
-            "layout": {"numBlocks": 4096, "cpuPageSize": 65536, "numWorkers": 4},
-            "access": {"uid": 1000, "gid": 1000, "mode": 0o600},
-        },
-    }
+    return offload_region(NAMESPACE, name, 4096, access=TENANT_ACCESS)
 
 
 def _root_mount() -> str | None:

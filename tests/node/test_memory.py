@@ -20,17 +20,11 @@ import yaml
 
 from tests.node.chart import CHART, Release, component, wait
 from tests.node.node import EVICTION_HARD, Node, NodeError
-from tests.node.regions import apply_manifest, region_phase, remove_regions
+from tests.node.regions import apply_manifest, offload_region, region_phase, remove_regions
 
 NAMESPACE = "pressure"
 GIB = 2**30
-REGION = {
-    "apiVersion": "kvshm.dev/v1alpha1",
-    "kind": "OffloadRegion",
-    "metadata": {"name": "charged", "namespace": NAMESPACE},
-    "spec": {"instanceId": "charged", "layout": {"numBlocks": 4096, "cpuPageSize": 65536,
-                                                   "numWorkers": 4}},
-}  # fmt: skip
+REGION = offload_region(NAMESPACE, "charged", 4096)  # 1 GiB
 REGION_FILE = Path("/dev/shm/kvshm") / NAMESPACE / "charged" / "vllm_offload_charged.mmap"
 
 
