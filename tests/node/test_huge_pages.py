@@ -20,6 +20,7 @@ import yaml
 
 from tests.huge_pages import assert_mapped_huge, fallbacks_since_now
 from tests.node.chart import CHART, Release, component, wait
+from tests.node.memory import meminfo_bytes, memory_stat, pod_memory_cgroup
 from tests.node.node import NODE_NAME, REGION_ROOT, Node
 from tests.node.regions import (
     TENANT_ACCESS,
@@ -46,19 +47,6 @@ def _root_mount() -> str | None:
         if fields[4] == str(REGION_ROOT):
             return " ".join(fields[5:])
     return None
-
-
-def _shmem_huge_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("ShmemHugePages:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no ShmemHugePages in /proc/meminfo")
-
-
-def _shmem(cgroup: Path) -> int:
-    """Shared memory charged to a memory cgroup (v1) and its children."""
-    stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
-    return int(stat["total_shmem"])
 
 
 def _pages(node: Node) -> dict[str, Any]:
@@ -141,7 +129,7 @@ def test_the_chart_mounts_a_huge_page_root_only_where_it_hides_nothing(
         assert re.search(r"\btmpfs\b", options) and "huge=within_size" in options, options
         assert "mode=711" in options, options
         wait(lambda: _pages(node).get("sizeBytes") == HUGE_PAGE, 60, "2 MiB pages reported", node)
-        before = _shmem_huge_bytes()
+        before = meminfo_bytes("ShmemHugePages")
         fallbacks = fallbacks_since_now()
         started = time.monotonic()
         apply_manifest(node, yaml.safe_dump(_region("huge-pages")))
@@ -149,11 +137,10 @@ def test_the_chart_mounts_a_huge_page_root_only_where_it_hides_nothing(
         figures["OffloadRegion applied to Ready on the huge-page root, 1 GiB"] = (
             f"{time.monotonic() - started:.1f} s"
         )
-        grown = _shmem_huge_bytes() - before
+        grown = meminfo_bytes("ShmemHugePages") - before
         assert grown + fallbacks() * HUGE_PAGE >= GIB, f"ShmemHugePages grew by {grown} bytes"
-        [cgroup] = Path("/sys/fs/cgroup/memory/kubepods").glob(f"**/pod{_agent_uid(release)}")
-        charged = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
-        assert int(charged["total_shmem"]) >= GIB, charged["total_shmem"]
+        charged = memory_stat(pod_memory_cgroup(_agent_uid(release)))["total_shmem"]
+        assert charged >= GIB, charged
 
         # a tenant's pod maps the region's huge pages through its hostPath
         apply_manifest(node, yaml.safe_dump(_attacher("huge-pages", kvshm_image)))

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from tests.node.chart import CHART, Release, component, wait
+from tests.node.memory import KUBEPODS, meminfo_bytes, memory_stat, pod_memory_cgroup
 from tests.node.node import EVICTION_HARD, Node, NodeError
 from tests.node.regions import apply_manifest, offload_region, region_phase, remove_regions
 
@@ -28,25 +29,11 @@ REGION = offload_region(NAMESPACE, "charged", 4096)  # 1 GiB
 REGION_FILE = Path("/dev/shm/kvshm") / NAMESPACE / "charged" / "vllm_offload_charged.mmap"
 
 
-def _memory_cgroup(pod: dict) -> Path:
-    uid = pod["metadata"]["uid"]
-    [found] = Path("/sys/fs/cgroup/memory/kubepods").glob(f"**/pod{uid}")
-    return found
-
-
 def _cgroup_bytes(pod: dict) -> dict[str, int]:
-    stat = dict(
-        line.split() for line in (_memory_cgroup(pod) / "memory.stat").read_text().splitlines()
-    )
-    usage = int((_memory_cgroup(pod) / "memory.usage_in_bytes").read_text())
-    return {"usage": usage, "shmem": int(stat["total_shmem"]), "rss": int(stat["total_rss"])}
-
-
-def _mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no MemAvailable in /proc/meminfo")
+    cgroup = pod_memory_cgroup(pod["metadata"]["uid"])
+    stat = memory_stat(cgroup)
+    usage = int((cgroup / "memory.usage_in_bytes").read_text())
+    return {"usage": usage, "shmem": stat["total_shmem"], "rss": stat["total_rss"]}
 
 
 def _bystander(node: Node, image: str) -> None:
@@ -81,7 +68,7 @@ def _evicted(node: Node, namespace: str) -> list[str]:
 def memory_pressure(node: Node) -> Iterator[None]:
     """The kubelet told to keep more memory free than the machine has: it reports MemoryPressure
     and evicts; afterwards the thresholds are as before."""
-    total_mib = _mem_total() // 2**20
+    total_mib = meminfo_bytes("MemTotal") // 2**20
     try:
         node.configure_kubelet(
             evictionHard={**EVICTION_HARD, "memory.available": f"{total_mib - 512}Mi"},
@@ -92,13 +79,6 @@ def memory_pressure(node: Node) -> Iterator[None]:
         node.configure_kubelet(
             evictionHard=dict(EVICTION_HARD), evictionPressureTransitionPeriod=None
         )
-
-
-def _mem_total() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no MemTotal in /proc/meminfo")
 
 
 def _agent(release: Release) -> dict:
@@ -153,10 +133,7 @@ def _charge_evidence(node: Node, agent: dict) -> str:
     restarts = {c["name"]: c.get("restartCount") for c in statuses}
     mounts = [line for line in Path("/proc/mounts").read_text().splitlines() if "kvshm" in line]
     size = REGION_FILE.stat().st_size if REGION_FILE.exists() else None
-    pods = {}
-    for cgroup in Path("/sys/fs/cgroup/memory/kubepods").glob("**/pod*"):
-        stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
-        pods[cgroup.name] = int(stat["total_shmem"])
+    pods = {cgroup.name: memory_stat(cgroup)["total_shmem"] for cgroup in KUBEPODS.glob("**/pod*")}
     return (
         f"agent {agent['metadata']['name']} restarts {restarts}; mounts {mounts}; region file "
         f"{size} bytes; total_shmem by pod cgroup {pods}; {node.log('kubelet')[-1500:]}"
@@ -191,7 +168,7 @@ def test_an_agent_of_no_priority_class_is_evicted_first_and_that_frees_nothing(
                  "--reuse-values", "--set", "agent.priorityClass.name=", "--wait")  # fmt: skip
     wait(lambda: not _agent(charged)["spec"].get("priorityClassName"), 120, "no class", node)
     charged.wait_ready()
-    available = _mem_available()
+    available = meminfo_bytes("MemAvailable")
     with memory_pressure(node):
         # its DaemonSet replaces each evicted agent, and the kubelet evicts the next one too
         evictions = wait(
@@ -200,7 +177,7 @@ def test_an_agent_of_no_priority_class_is_evicted_first_and_that_frees_nothing(
         )  # fmt: skip
         # the region's pages stay: its file is there, and nothing came back to the node
         assert REGION_FILE.exists() and REGION_FILE.stat().st_blocks * 512 >= GIB
-        assert _mem_available() < available + GIB // 2
+        assert meminfo_bytes("MemAvailable") < available + GIB // 2
         others = _eviction_events(node, charged.namespace, "kvshm-operator-")
     charged.wait_ready()
     wait(lambda: region_phase(node, NAMESPACE, "charged") == "Ready", 120, "Ready again", node)
