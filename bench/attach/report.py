@@ -92,8 +92,7 @@ def print_table(gib: float, tp: int, times: dict[str, PathTimes], agent: dict[st
         )
     if "kvshm_cells" in times:
         print(
-            "  (*) not kvshm's pin() today, which registers the whole region in every rank: "
-            "CudaRegistration over layout.rank_ranges(rank), each row's cell of this rank, "
+            "  (*) the plugin's worker: pin(cells_only=True), each row's cell of this rank, "
             "as vLLM registers its slots"
         )
     kvshm = times["kvshm_attach"]

@@ -17,8 +17,9 @@ Each (size, TP) runs TP rank processes as vLLM runs its tensor-parallel workers,
 3. kvshm attach of the agent's region: kvshm's `SharedOffloadRegion(id, layout, rank,
    mode="attach")`, no populate (the agent's pages are all there), then `pin()` (the whole
    region, row-aligned pieces of at most 64 GiB, in every rank). At TP > 1 also a second run
-   registering only the rank's cells (kvshm's CudaRegistration over layout.rank_ranges(rank),
-   one piece per row, as vLLM registers its slots): what a rank-aware pin would cost.
+   registering only the rank's cells as the plugin's worker does (`pin(cells_only=True)`: the
+   cells' pages mapped in parallel, then one cudaHostRegister per row's cell, as vLLM registers
+   its slots).
 
 The agent's region is made beforehand by a separate process with kvshm's `SharedOffloadRegion`
 (create, populate, lock: what the agent's hosting does), format vllm-0.33 (the files vLLM 0.33
@@ -188,7 +189,6 @@ def kvshm_rank(
     register: bool,
     cells_only: bool,
 ) -> None:
-    from kvshm.region import memory
     from kvshm.region.pinning import CudaRegistration, cuda_runtime
 
     def warm_up(address: int, length: int) -> None:
@@ -207,23 +207,11 @@ def kvshm_rank(
     ready = time.monotonic()
     assert region.populate_method is None, "attaching the agent's region should not populate"
     result = {"rank": rank, "start": started, "ready": ready}
-    cells: list[CudaRegistration] = []
-
-    def pin_cells() -> bool:
-        """This rank's cells only, one registration per row, as vLLM registers its slots."""
-        cudart, reason = cuda_runtime()
-        assert cudart is not None, reason
-        pieces = region.layout.rank_ranges(rank, memory.PAGE_SIZE)
-        registration = CudaRegistration(cudart, region.address, pieces)
-        registration.register()
-        cells.append(registration)
-        return True
-
     if register:
-        result |= register_in_background(pin_cells if cells_only else region.pin)
+        result |= register_in_background(
+            (lambda: region.pin(cells_only=True)) if cells_only else region.pin
+        )
     results.put(result)
-    for registration in cells:
-        registration.unregister()
     region.cleanup()
 
 
@@ -308,8 +296,10 @@ def compare_pages(args: argparse.Namespace, register: bool) -> None:
             for tp in tps:
                 runs: dict[str, list[dict[str, PathTimes]]] = {name: [] for name in roots}
                 agents: dict[str, dict[str, Any]] = {}
-                for _ in range(args.repeat):
-                    for name, directory in roots.items():
+                for repeat in range(args.repeat):
+                    # alternate which root goes first, so neither always runs on a warmer host
+                    order = list(roots.items())[:: 1 if repeat % 2 == 0 else -1]
+                    for name, directory in order:
                         times, agents[name] = run_kvshm(gib, tp, directory, register)
                         runs[name].append(times)
                 medians = {

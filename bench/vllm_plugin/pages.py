@@ -50,6 +50,7 @@ from tests.vllm_plugin.layouts import REAL_LAYOUTS, KvLayout, canonical_kv_cache
 
 DEFAULT_LAYOUTS = ("llama-3.1-8b-tp1", "llama-3.1-70b-tp4-rank0", "2mib-blocks")
 ROOTS = ("4 KiB", "2 MiB")
+CONTROL = "4 KiB again"  # --control: the 4 KiB root once more, after the 2 MiB one (A-B-A)
 
 
 def measure_cpu(worker: Any, jobs: Plan, reps: int) -> dict[str, Any]:
@@ -119,7 +120,17 @@ def print_layout(row: dict[str, Any]) -> None:
             f"{d:6} {small[d]['GBps']:>11.1f} {huge[d]['GBps']:>8.1f} "
             f"{huge[d]['GBps'] / small[d]['GBps']:>7.2f} {beside[0]:>22} {beside[1]:>21}"
         )
-    for name in ROOTS:
+    if CONTROL in row:
+        again = row[CONTROL]
+        for d in DIRECTIONS:
+            both = (small[d]["GBps"] + again[d]["GBps"]) / 2
+            print(
+                f"{d:6} A-B-A: 4 KiB again {again[d]['GBps']:.1f} GB/s, 4 KiB again / 4 KiB "
+                f"{again[d]['GBps'] / small[d]['GBps']:.3f}; 2 MiB / both 4 KiB "
+                f"{huge[d]['GBps'] / both:.3f}; ms/GB beside 4 KiB again "
+                f"{delay(again[d] if 'matmul_delay_quartiles' in again[d] else None)}"
+            )
+    for name in (name for name in (*ROOTS, CONTROL) if name in row):
         figures = row[name]
         if figures["registration_s"] is not None and figures["pinned"]:
             print(
@@ -135,7 +146,8 @@ def bench_start(gib: float, roots: dict[str, str]) -> dict[str, Any]:
     chunks = int(gib * GIB // (cell * workers))
     kv = canonical_kv_caches(layout, 64, "cuda")
     row: dict[str, Any] = {"region_bytes": chunks * cell * workers}
-    for name, directory in roots.items():
+    for name in ROOTS:
+        directory = roots[name]
         built = build_plugin(kv, chunks, cell, workers, directory)
         try:
             built.worker.pin.wait()
@@ -166,6 +178,11 @@ def main() -> None:
     parser.add_argument("--huge-directory", help="a tmpfs with huge pages (default: mount one)")
     parser.add_argument(
         "--start-gib", type=float, default=64.0, help="region for the start-up figure (0: skip)"
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="measure the 4 KiB root again after the 2 MiB one: the run's own spread (A-B-A)",
     )
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--quick", action="store_true", help="small; on a CPU box, no GPU parts")
@@ -201,6 +218,8 @@ def main() -> None:
     start_size = int(args.start_gib * GIB) if cuda and args.start_gib > 0 and not args.quick else 0
     with huge_root(max(size, start_size), args.huge_directory) as huge_dir:
         roots = dict(zip(ROOTS, (args.directory, huge_dir), strict=True))
+        if args.control:
+            roots[CONTROL] = args.directory
         for name, directory in roots.items():
             print(f"{name} root: {describe_root(directory)}")
         reporting = free_page_reporting()

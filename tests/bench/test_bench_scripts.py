@@ -139,6 +139,25 @@ def test_the_transfer_benchmark_finishes_a_tiny_run(shm_dir: Path, tmp_path: Pat
 
 
 @pytest.mark.gpu
+def test_the_registration_cost_benchmark_takes_registration_apart(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "registration.json"
+    args = ["--gib", "0.25", "--ranks", "2", "--directory", str(shm_dir), "--json", str(out)]
+    result = run("bench/attach/registration_cost.py", *args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    for pages in ("4 KiB", "2 MiB"):
+        one = figures[pages]["one"]
+        assert one["cells"]["calls"] == one["rows"]["calls"] == 51  # 0.25 GiB of 5 MiB rows
+        assert one["whole"]["calls"] == 1
+        assert len(figures[pages]["concurrent"]) == 2
+    assert "µs a MiB" in result.stdout
+    assert list(shm_dir.iterdir()) == []
+    assert "kvshm-bench-huge-" not in Path("/proc/self/mountinfo").read_text()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("reader", ["proxy", "auto"])
 def test_the_attention_layout_benchmark_finishes_a_tiny_run(reader: str, tmp_path: Path) -> None:
     from bench.vllm_plugin.attention_layout import QUERY_HEADS, flash_attention
