@@ -484,7 +484,7 @@ def test_staged_jobs_reuse_their_kernel_tables_once_retired_byte_exact(
     assert store._uniform is not None
     staged = store._uniform[1]
     if path == "uniform":
-        staged._pages = None  # as prepare_uniform leaves it for a refused layout
+        staged._pages = None  # as prepare_uniform leaves it for a layout the page kernel refuses
     else:
         store._uniform = None  # as for a layout with several groups or partial blocks
     tables = staged._tables
@@ -571,7 +571,7 @@ def test_uniform_jobs_move_by_the_page_kernel_byte_exact(
     for handler in (store, load):
         assert handler._uniform is not None
         pages = handler._uniform[1]._pages
-        assert pages is not None and (pages[1]._direct is not None) == direct
+        assert pages is not None and (pages._direct is not None) == direct
     rng = np.random.default_rng(5)
     gpu_ids, cpu_ids = rng.permutation(64)[:48], rng.permutation(48)
     spec = (GPULoadStoreSpec(gpu_ids, [48], [0]), CPULoadStoreSpec(cpu_ids))

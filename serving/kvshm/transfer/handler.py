@@ -19,6 +19,7 @@ from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.factory import build_backends
 from kvshm.transfer.backends.staged import StagedBackend
+from kvshm.transfer.backends.strided import StridedBackend
 from kvshm.transfer.chooser import BackendChooser, BackendPolicy, override_from_env
 from kvshm.transfer.errors import (
     HandlerClosedError,
@@ -167,15 +168,15 @@ class SingleDirectionOffloadingHandler:
         # the common layout's jobs skip the general planning where staging takes them anyway:
         # the chooser's own pick (None) where it stages every job of the layout, and "staged"
         # where it is named for the job, its cells fitting a buffer
-        self._strided = self._chooser.strided()  # taken only where named (_strided_job)
+        self._strided: tuple[UniformLayout, StridedBackend] | None = None
+        strided = self._chooser.strided()  # taken only where named (_strided_job)
+        if layout is not None and strided is not None and strided.prepare_uniform(layout) is None:
+            self._strided = (layout, strided)
         staged = self._chooser.staged()
         self._uniform: tuple[UniformLayout, StagedBackend] | None = None
         self._uniform_picks: set[str | None] = set()
-        if layout is not None and staged is not None and staged.buffer_bytes >= layout.block_bytes:
+        if layout is not None and staged is not None and staged.prepare_uniform(layout) is None:
             self._uniform = (layout, staged)
-            refused = staged.prepare_uniform(layout)
-            if refused is not None:
-                log.info("uniform jobs gather through kernel tables: %s", refused)
             self._uniform_picks = {BackendName.STAGED}
             if self._chooser.staged_for_uniform(layout) is not None:
                 self._uniform_picks.add(None)
@@ -253,16 +254,12 @@ class SingleDirectionOffloadingHandler:
         what is wrong with a bad spec)."""
         strided = self._strided_job(named, spec)
         if strided is not None and self._strided is not None:
-            work = partial(self._strided.copy_uniform, strided, after=after)
-            return self._strided, work, strided.total_bytes
+            work = partial(self._strided[1].copy_uniform, strided, after=after)
+            return self._strided[1], work, strided.total_bytes
         uniform = self._uniform_job(named, spec)
         if uniform is not None and self._uniform is not None:
-            layout, staged = self._uniform
-            return (
-                staged,
-                partial(staged.copy_uniform, layout, uniform, after=after),
-                uniform.total_bytes,
-            )
+            staged = self._uniform[1]
+            return staged, partial(staged.copy_uniform, uniform, after=after), uniform.total_bytes
         if self._dma is not None and named in self._dma_picks:
             layout, dma = self._dma
             job = layout.job(spec, self.gpu_to_cpu)
@@ -274,7 +271,7 @@ class SingleDirectionOffloadingHandler:
         """The job, where the strided backend is named for it and can take it."""
         if self._strided is None or (named or self._chooser.override) != BackendName.STRIDED:
             return None
-        return self._strided.layout.job(spec, self.gpu_to_cpu)
+        return self._strided[0].job(spec, self.gpu_to_cpu)
 
     def _uniform_job(self, named: str | None, spec: object) -> UniformJob | None:
         """The job on the uniform staged path, or None where it takes the general one."""
