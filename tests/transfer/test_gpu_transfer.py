@@ -20,6 +20,7 @@ from kvshm.transfer import (
     TransferOptions,
 )
 from kvshm.transfer.backends.kernel import CompiledLaunch, KernelBackend
+from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.backends.strided import StridedBackend
 from kvshm.transfer.streams import own_stream
 
@@ -150,7 +151,8 @@ def test_uniform_dma_jobs_take_their_tables_from_the_ids_byte_exact(
         raise AssertionError("a uniform DMA job went to the general planner")
 
     for handler in (store, load):
-        assert handler._dma is not None and None in handler._dma_picks
+        uniform = handler._router.uniform_backend(None)
+        assert uniform is not None and uniform.name == "dma"
         monkeypatch.setattr(handler._planner, "plan", planned)
     rng = np.random.default_rng(tensors)
     gpu_ids, cpu_ids = rng.permutation(40)[:24], rng.permutation(32)[:24]
@@ -441,7 +443,9 @@ def test_many_layers_of_small_pages_are_staged_and_byte_exact(
     assert store._chooser.choose(store._planner.plan(specs[0])).name == "staged"
     # one group, one block per chunk, pages back to back in the cell: the jobs are planned
     # from their ids alone (kvshm.transfer.uniform), in pieces of 4 cells per buffer
-    assert None in store._uniform_picks and None in pair.cpu_to_gpu_handler._uniform_picks
+    for handler in (store, pair.cpu_to_gpu_handler):
+        uniform = handler._router.uniform_backend(None)
+        assert uniform is not None and uniform.name == "staged"
     for job, spec in enumerate(specs):
         assert store.transfer_async(job, spec)
     store.wait([0, 1])
@@ -481,12 +485,12 @@ def test_staged_jobs_reuse_their_kernel_tables_once_retired_byte_exact(
     refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
     pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, backend="staged")
     store = pair.gpu_to_cpu_handler
-    assert store._uniform is not None
-    staged = store._uniform[1]
+    staged = store._router.uniform_backend("staged")
+    assert isinstance(staged, StagedBackend)
     if path == "uniform":
-        staged._pages = None  # as prepare_uniform leaves it for a refused layout
+        staged._pages = None  # as prepare_uniform leaves it for a layout the page kernel refuses
     else:
-        store._uniform = None  # as for a layout with several groups or partial blocks
+        store._router._uniform.clear()  # as for a layout with several groups or partial blocks
     tables = staged._tables
     rng = np.random.default_rng(11)
     lent = []
@@ -538,8 +542,8 @@ def test_jobs_wait_for_no_work_on_torchs_pooled_streams(
     handlers = (pair.gpu_to_cpu_handler, pair.cpu_to_gpu_handler)
     ours = {h._timeline._streams[0].cuda_stream for h in handlers}
     for handler in handlers:
-        assert handler._uniform is not None
-        staged = handler._uniform[1]
+        staged = handler._router.uniform_backend("staged")
+        assert isinstance(staged, StagedBackend)
         ours |= {s.cuda_stream for s in (staged._fill_stream, staged._out_stream) if s}
     assert len(ours) == 5 and not ours & {stream.cuda_stream for stream in pooled}
     pair.shutdown()
@@ -569,9 +573,9 @@ def test_uniform_jobs_move_by_the_page_kernel_byte_exact(
     pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, options=options, backend="staged")
     store, load = pair.gpu_to_cpu_handler, pair.cpu_to_gpu_handler
     for handler in (store, load):
-        assert handler._uniform is not None
-        pages = handler._uniform[1]._pages
-        assert pages is not None and (pages[1]._direct is not None) == direct
+        staged = handler._router.uniform_backend("staged")
+        assert isinstance(staged, StagedBackend)
+        assert staged._pages is not None and (staged._pages._direct is not None) == direct
     rng = np.random.default_rng(5)
     gpu_ids, cpu_ids = rng.permutation(64)[:48], rng.permutation(48)
     spec = (GPULoadStoreSpec(gpu_ids, [48], [0]), CPULoadStoreSpec(cpu_ids))

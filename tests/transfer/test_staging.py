@@ -207,15 +207,15 @@ def test_staged_tables_move_every_byte_a_direct_copy_moves(
 
 def test_a_layout_is_staged_only_with_long_runs_of_small_pages() -> None:
     from kvshm.transfer import BackendPolicy
-    from kvshm.transfer.handler import _why_not_staged
+    from kvshm.transfer.chooser import why_not_staged
 
     def views(page: int, count: int) -> list[RowGeometry]:
         return [RowGeometry(4096 + t * page, ROW, page, ROWS) for t in range(count)]
 
     policy = BackendPolicy()
     layers = [[CanonicalKVCacheRef(t, 16 * 1024) for t in range(32)]]
-    assert _why_not_staged(views(16 * 1024, 32), layers, policy) is None
+    assert why_not_staged(views(16 * 1024, 32), layers, policy) is None
     two = [[CanonicalKVCacheRef(t, 16 * 1024) for t in range(2)]]
-    assert "runs of at most 32768 bytes" in str(_why_not_staged(views(16 * 1024, 2), two, policy))
+    assert "runs of at most 32768 bytes" in str(why_not_staged(views(16 * 1024, 2), two, policy))
     large = [[CanonicalKVCacheRef(t, 128 * 1024) for t in range(32)]]
-    assert "reach the link by DMA" in str(_why_not_staged(views(128 * 1024, 32), large, policy))
+    assert "reach the link by DMA" in str(why_not_staged(views(128 * 1024, 32), large, policy))

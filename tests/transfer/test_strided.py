@@ -91,7 +91,8 @@ def test_one_2d_copy_a_block_moves_what_the_planners_copies_move(gpu_to_cpu: boo
     assert layout is not None and layout.layer_pitch() == BLOCKS * PAGE
     driver = TwoDimensionalDriver()
     dma = DmaBackend(cast(CudaDriver, driver), CopyDirection(gpu_to_cpu, 0))
-    backend = StridedBackend(cast(CudaDriver, driver), dma, layout, gpu_to_cpu)
+    backend = StridedBackend(cast(CudaDriver, driver), dma, gpu_to_cpu)
+    assert backend.prepare_uniform(layout) is None
     uniform = layout.job(spec, gpu_to_cpu)
     assert uniform is not None
     backend.copy_uniform(uniform, STREAM)

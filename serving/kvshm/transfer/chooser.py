@@ -9,11 +9,17 @@ from dataclasses import dataclass, field
 
 from kvshm.transfer.backends.base import BackendName, CopyBackend
 from kvshm.transfer.backends.dma import DmaBackend
+from kvshm.transfer.backends.factory import build_backends
 from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.backends.strided import StridedBackend
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.errors import BackendUnavailableError
 from kvshm.transfer.metrics import Direction
+from kvshm.transfer.options import TransferOptions
+from kvshm.transfer.pointers import RowGeometry
+from kvshm.transfer.specs import CanonicalKVCacheRef
+from kvshm.transfer.staging import layout_run_bytes
+from kvshm.transfer.tensors import TensorPairs
 from kvshm.transfer.uniform import UniformLayout
 
 log = logging.getLogger(__name__)
@@ -46,6 +52,28 @@ class BackendPolicy:
     # page's descriptor, where staging issues one a block; from 128 KiB the descriptors are
     # few enough (docs/transfer.md F12)
     staged_below_copy_bytes: int = 128 * 1024
+
+
+def why_not_staged(
+    cpu: Sequence[RowGeometry],
+    group_refs: Sequence[Sequence[CanonicalKVCacheRef]],
+    policy: BackendPolicy,
+) -> str | None:
+    """Why no job of this layout could be staged under the policy, or None if some could (its
+    buffers are then reserved with the handler)."""
+    runs = layout_run_bytes(cpu, group_refs)
+    if runs < policy.staged_from_run_bytes:
+        return (
+            f"a CPU block gives runs of at most {runs} bytes, below the policy's "
+            f"{policy.staged_from_run_bytes}"
+        )
+    smallest = min(ref.page_size_bytes for refs in group_refs for ref in refs)
+    if smallest >= policy.staged_below_copy_bytes:
+        return (
+            f"the pages ({smallest} bytes or more) reach the link by DMA as they are (the "
+            f"policy stages copies under {policy.staged_below_copy_bytes} bytes)"
+        )
+    return None
 
 
 def override_from_env() -> str | None:
@@ -88,6 +116,40 @@ class BackendChooser:
         self._override = override
         for name, reason in unavailable.items():
             log.info("copy backend %s not used for %s: %s", name, direction.value, reason)
+
+    @classmethod
+    def for_handler(
+        cls,
+        pairs: TensorPairs,
+        group_refs: Sequence[Sequence[CanonicalKVCacheRef]],
+        direction: Direction,
+        options: TransferOptions,
+        policy: BackendPolicy,
+        layout: UniformLayout | None,
+        override: str | None,
+        per_job: tuple[str | None, str | None] | None = None,
+    ) -> BackendChooser:
+        """Builds the backends of one handler's tensors: override for every job, or per_job
+        the two backends picked by name per job (named()), None meaning the chooser's pick.
+        The staged backend, which reserves device memory, is built only where it is named or
+        the chooser could stage some job of the layout."""
+        why_not = why_not_staged(pairs.cpu, group_refs, policy)
+        wanted = {override} if per_job is None else set(per_job)
+        staging = BackendName.STAGED in wanted or (None in wanted and why_not is None)
+        gpu_to_cpu = direction is Direction.GPU_TO_CPU
+        backends, unavailable = build_backends(
+            pairs, group_refs, gpu_to_cpu, options, staging, layout
+        )
+        if why_not is not None:
+            unavailable.setdefault(BackendName.STAGED, why_not)
+        return cls(
+            backends,
+            unavailable,
+            direction,
+            policy,
+            override if per_job is None else None,
+            required=[n for n in wanted if n is not None],
+        )
 
     @property
     def override(self) -> str | None:
@@ -141,6 +203,14 @@ class BackendChooser:
             return None
         small = self._small_copies(layout.refs, layout.mean_page_bytes)
         return staged if small and self._long_runs(layout.refs, 1, layout.block_bytes) else None
+
+    def uniform_pick(self, layout: UniformLayout) -> CopyBackend | None:
+        """The backend choose() gives every job of this uniform layout, if one: the override,
+        else staged_for_uniform's or dma_for_uniform's (never both: dma_for_uniform refuses
+        the small pages that staging would take)."""
+        if self._override is not None:
+            return self._backends[self._override]
+        return self.staged_for_uniform(layout) or self.dma_for_uniform(layout)
 
     def dma_for_uniform(self, layout: UniformLayout) -> DmaBackend | None:
         """The DMA backend if it is what choose() picks for every job of this uniform layout

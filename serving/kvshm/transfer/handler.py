@@ -11,14 +11,9 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
-from kvshm.transfer.backends.dma import DmaBackend
-from kvshm.transfer.backends.factory import build_backends
-from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.chooser import BackendChooser, BackendPolicy, override_from_env
 from kvshm.transfer.errors import (
     HandlerClosedError,
@@ -28,7 +23,7 @@ from kvshm.transfer.errors import (
 from kvshm.transfer.metrics import Direction, FinishedJob, TransferMetrics
 from kvshm.transfer.options import TransferOptions
 from kvshm.transfer.plan import JobPlanner
-from kvshm.transfer.pointers import RowGeometry
+from kvshm.transfer.routing import JobRouter
 from kvshm.transfer.specs import (
     CPU_MEDIUM,
     GPU_MEDIUM,
@@ -36,11 +31,10 @@ from kvshm.transfer.specs import (
     TransferResult,
     TransferSpec,
 )
-from kvshm.transfer.staging import layout_run_bytes
 from kvshm.transfer.tensors import check_group_refs, check_tensors
 from kvshm.transfer.timeline import CpuTimeline, Ticket, Timeline
 from kvshm.transfer.traffic import Traffic
-from kvshm.transfer.uniform import UniformJob, UniformLayout
+from kvshm.transfer.uniform import UniformLayout
 
 log = logging.getLogger(__name__)
 
@@ -51,28 +45,6 @@ class _Job:
     ticket: Ticket
     size_bytes: int
     backend: str
-
-
-def _why_not_staged(
-    cpu: Sequence[RowGeometry],
-    group_refs: Sequence[Sequence[CanonicalKVCacheRef]],
-    policy: BackendPolicy,
-) -> str | None:
-    """Why no job of this layout could be staged under the policy, or None if some could (its
-    buffers are then reserved with the handler)."""
-    runs = layout_run_bytes(cpu, group_refs)
-    if runs < policy.staged_from_run_bytes:
-        return (
-            f"a CPU block gives runs of at most {runs} bytes, below the policy's "
-            f"{policy.staged_from_run_bytes}"
-        )
-    smallest = min(ref.page_size_bytes for refs in group_refs for ref in refs)
-    if smallest >= policy.staged_below_copy_bytes:
-        return (
-            f"the pages ({smallest} bytes or more) reach the link by DMA as they are (the "
-            f"policy stages copies under {policy.staged_below_copy_bytes} bytes)"
-        )
-    return None
 
 
 def _timeline_for(device: torch.device, options: TransferOptions) -> Timeline:
@@ -145,50 +117,20 @@ class SingleDirectionOffloadingHandler:
         # built and picked by name per job (traffic says which case holds)
         self._traffic = traffic if backend_beside not in (None, override) else None
         self._named = (override, backend_beside) if self._traffic is not None else None
-        why_not = _why_not_staged(pairs.cpu, self.kv_cache_groups_data_refs, policy)
-        wanted = {override} if self._named is None else set(self._named)
-        staging = BackendName.STAGED in wanted or (None in wanted and why_not is None)
         layout = UniformLayout.of(
             pairs.gpu, pairs.cpu, block_size_factor, self.kv_cache_groups_data_refs
         )
-        backends, unavailable = build_backends(
-            pairs, self.kv_cache_groups_data_refs, self.gpu_to_cpu, options, staging, layout
-        )
-        if why_not is not None:
-            unavailable.setdefault(BackendName.STAGED, why_not)
-        self._chooser = BackendChooser(
-            backends,
-            unavailable,
+        self._chooser = BackendChooser.for_handler(
+            pairs,
+            self.kv_cache_groups_data_refs,
             self.direction,
+            options,
             policy,
-            override if self._named is None else None,
-            required=[n for n in wanted if n is not None],
+            layout,
+            override,
+            self._named,
         )
-        # the common layout's jobs skip the general planning where staging takes them anyway:
-        # the chooser's own pick (None) where it stages every job of the layout, and "staged"
-        # where it is named for the job, its cells fitting a buffer
-        self._strided = self._chooser.strided()  # taken only where named (_strided_job)
-        staged = self._chooser.staged()
-        self._uniform: tuple[UniformLayout, StagedBackend] | None = None
-        self._uniform_picks: set[str | None] = set()
-        if layout is not None and staged is not None and staged.buffer_bytes >= layout.block_bytes:
-            self._uniform = (layout, staged)
-            refused = staged.prepare_uniform(layout)
-            if refused is not None:
-                log.info("uniform jobs gather through kernel tables: %s", refused)
-            self._uniform_picks = {BackendName.STAGED}
-            if self._chooser.staged_for_uniform(layout) is not None:
-                self._uniform_picks.add(None)
-        # and by the copy engines, their tables from the ids (kvshm.transfer.uniform)
-        self._dma: tuple[UniformLayout, DmaBackend] | None = None
-        self._dma_picks: set[str | None] = set()
-        dma = self._chooser.dma()
-        if layout is not None and dma is not None:
-            dma.prepare_uniform(layout)
-            self._dma = (layout, dma)
-            self._dma_picks = {BackendName.DMA}
-            if self._chooser.dma_for_uniform(layout) is not None:
-                self._dma_picks.add(None)
+        self._router = JobRouter(self._chooser, self._planner, layout, self.gpu_to_cpu)
         self._timeline = _timeline_for(pairs.device, options)
         self._metrics = TransferMetrics(self.direction)
         self._jobs: deque[_Job] = deque()
@@ -219,17 +161,9 @@ class SingleDirectionOffloadingHandler:
         # queued to its destination blocks (vLLM 0.33 zeroes freshly allocated blocks on the
         # compute stream, and with async scheduling nothing else orders that before the load)
         after = self._timeline.caller_stream()
-        named = self._backend_name()
-        fast = self._uniform_work(named, spec, after)
-        if fast is not None:
-            backend, work, size = fast
-        else:
-            batch = self._planner.plan(spec)
-            backend = self._chooser.choose(batch) if named is None else self._chooser.named(named)
-            work = partial(backend.copy, batch, after=after)
-            size = batch.total_bytes
-        ticket = self._timeline.launch(work, after)
-        job = _Job(job_id, ticket, size, backend.name)
+        route = self._router.route(self._backend_name(), spec, after)
+        ticket = self._timeline.launch(route.work, after)
+        job = _Job(job_id, ticket, route.size_bytes, route.backend.name)
         self._jobs.append(job)
         self._pending[job_id] = job
         if self._traffic is not None:
@@ -238,49 +172,7 @@ class SingleDirectionOffloadingHandler:
 
     def backend_for(self, src_spec: object, dst_spec: object) -> str:
         """The backend this handler would give the job now (nothing is issued)."""
-        named = self._backend_name()
-        if named is not None:
-            return named
-        if self._uniform_job(None, (src_spec, dst_spec)) is not None:
-            return BackendName.STAGED
-        return self._chooser.choose(self._planner.plan((src_spec, dst_spec))).name
-
-    def _uniform_work(
-        self, named: str | None, spec: object, after: Stream | None
-    ) -> tuple[CopyBackend, Callable[[Stream], object], int] | None:
-        """The job's backend, work and size where a backend takes it as a uniform job (its
-        tables from the ids alone), else None: the general planner then plans it (and names
-        what is wrong with a bad spec)."""
-        strided = self._strided_job(named, spec)
-        if strided is not None and self._strided is not None:
-            work = partial(self._strided.copy_uniform, strided, after=after)
-            return self._strided, work, strided.total_bytes
-        uniform = self._uniform_job(named, spec)
-        if uniform is not None and self._uniform is not None:
-            layout, staged = self._uniform
-            return (
-                staged,
-                partial(staged.copy_uniform, layout, uniform, after=after),
-                uniform.total_bytes,
-            )
-        if self._dma is not None and named in self._dma_picks:
-            layout, dma = self._dma
-            job = layout.job(spec, self.gpu_to_cpu)
-            if job is not None:
-                return dma, partial(dma.copy_uniform, job, after=after), job.total_bytes
-        return None
-
-    def _strided_job(self, named: str | None, spec: object) -> UniformJob | None:
-        """The job, where the strided backend is named for it and can take it."""
-        if self._strided is None or (named or self._chooser.override) != BackendName.STRIDED:
-            return None
-        return self._strided.layout.job(spec, self.gpu_to_cpu)
-
-    def _uniform_job(self, named: str | None, spec: object) -> UniformJob | None:
-        """The job on the uniform staged path, or None where it takes the general one."""
-        if self._uniform is None or named not in self._uniform_picks:
-            return None
-        return self._uniform[0].job(spec, self.gpu_to_cpu)
+        return self._router.backend_for(self._backend_name(), (src_spec, dst_spec))
 
     def _backend_name(self) -> str | None:
         """The backend named for this job, or None where the chooser picks by the job."""

@@ -7,6 +7,7 @@ from enum import StrEnum
 from typing import Any, ClassVar
 
 from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.uniform import UniformJob, UniformLayout
 
 Stream = Any
 """A torch.cuda.Stream for GPU backends; None for the CPU backend."""
@@ -30,12 +31,25 @@ class CopyBackend(ABC):
     copy of the descriptors, say); the caller keeps it until then, and releases it then if it
     is a Lease. `after` is the stream whose queued work GPU->CPU copies must follow: `stream`
     already waits for it, so only a backend that issues on other streams too needs it.
+
+    A backend may also take uniform jobs (kvshm.transfer.uniform), their tables from the block
+    ids alone: prepare_uniform(layout) once when the handler is built, then copy_uniform(job)
+    per job, which returns what copy() does.
     """
 
     name: ClassVar[BackendName]
 
     @abstractmethod
     def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> object: ...
+
+    def prepare_uniform(self, layout: UniformLayout) -> str | None:
+        """Take the handler's uniform layout; returns why this backend cannot take its
+        uniform jobs, or None where copy_uniform then takes them."""
+        return f"the {self.name} backend takes no uniform jobs"
+
+    def copy_uniform(self, job: UniformJob, stream: Stream, after: Stream | None = None) -> object:
+        """One uniform job of the layout prepare_uniform accepted."""
+        raise ValueError(f"the {self.name} backend takes no uniform jobs")
 
 
 class Lease(ABC):

@@ -67,7 +67,7 @@ class DmaBackend(CopyBackend):
         self.issue(issue_order(batch, self._gpu_to_cpu), stream)
 
     def prepare_uniform(self, layout: UniformLayout) -> None:
-        """Take the handler's uniform layout: its jobs' tables then come from their ids
+        """Take the handler's uniform layout, any: its jobs' tables then come from their ids
         (copy_uniform), in the order copy() gives the planner's."""
         by_gpu_address = layout.mean_page_bytes >= SORT_BELOW_BYTES
         self._uniform = UniformCopies(layout, self._gpu_to_cpu, by_gpu_address)

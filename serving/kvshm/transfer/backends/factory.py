@@ -70,7 +70,7 @@ def build_backends(
     if refusal is not None:
         unavailable[BackendName.STRIDED] = refusal
     elif layout is not None:
-        backends[BackendName.STRIDED] = StridedBackend(driver, dma, layout, gpu_to_cpu)
+        backends[BackendName.STRIDED] = StridedBackend(driver, dma, gpu_to_cpu)
     torch.cuda.synchronize(device_index)  # binds the device's context to this thread
     reason = triton_missing_reason()
     if reason is None and not pairs.all_aligned(group_refs):

@@ -12,6 +12,7 @@ bounds the device memory it takes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ from kvshm.transfer.uniform import (
     uniform_runs,
     uniform_tables,
 )
+
+log = logging.getLogger(__name__)
 
 CUTS_KEPT = 16
 
@@ -82,19 +85,29 @@ class StagedBackend(CopyBackend):
         self._cuts_layout: UniformLayout | None = None
         self._cuts: dict[tuple[int, int], tuple[UniformCut, CopyBatch]] = {}
         self._tables = PinnedTables(pinned=device.type == "cuda")
-        self._pages: tuple[UniformLayout, PageKernel] | None = None
+        self._layout: UniformLayout | None = None
+        self._pages: PageKernel | None = None
 
     def prepare_uniform(self, layout: UniformLayout) -> str | None:
-        """Build the page kernel for the handler's uniform layout (it compiles: call it while
-        the handler is built); its jobs then write no kernel table. Returns why not, if not:
-        those jobs then take the table path."""
+        """Take the handler's uniform layout where a block fits a buffer, and build its page
+        kernel (it compiles: call it while the handler is built), so that its jobs write no
+        kernel table; where the page kernel refuses the layout they take the table path."""
+        if self.buffer_bytes < layout.block_bytes:
+            return (
+                f"a block of {layout.block_bytes} bytes does not fit a staging buffer of "
+                f"{self.buffer_bytes} bytes"
+            )
+        self._layout = layout
         reason = page_kernel_refusal(layout)
         if reason is None:
             kernel = self._kernel
             gather = self._gpu_to_cpu
-            pages = PageKernel(self._device, layout, gather, kernel.chunk_bytes, kernel.programs)
-            self._pages = (layout, pages)
-        return reason
+            self._pages = PageKernel(
+                self._device, layout, gather, kernel.chunk_bytes, kernel.programs
+            )
+        else:
+            log.info("uniform jobs gather through kernel tables: %s", reason)
+        return None
 
     def allocate(self) -> None:
         """Reserve the buffers and the second stream (idempotent)."""
@@ -159,23 +172,20 @@ class StagedBackend(CopyBackend):
         self._issue(used, runs, plan.run_piece_starts, move, stream, after)
         return table  # lent until the job is done: the kernel reads it meanwhile
 
-    def copy_uniform(
-        self, layout: UniformLayout, job: UniformJob, stream: Stream, after: Stream | None = None
-    ) -> object:
-        """The same for a uniform job (kvshm.transfer.uniform): its tables come from the block
-        ids alone, a piece being as many whole blocks (cells) as fill a buffer."""
+    def copy_uniform(self, job: UniformJob, stream: Stream, after: Stream | None = None) -> object:
+        """The same for a uniform job of the prepared layout (kvshm.transfer.uniform): its
+        tables come from the block ids alone, a piece being as many whole blocks (cells) as
+        fill a buffer."""
+        layout = self._layout
+        if layout is None:
+            raise ValueError("copy_uniform before prepare_uniform")
         blocks_per_piece = self.buffer_bytes // layout.block_bytes
-        if blocks_per_piece < 1:
-            raise ValueError(
-                f"a block of {layout.block_bytes} bytes does not fit a staging buffer of "
-                f"{self.buffer_bytes} bytes"
-            )
         count = len(job.gpu_ids)
         used = self._take_buffers(-(-count // blocks_per_piece))
         cut, runs = self._cut_for(layout, count, used, blocks_per_piece)
-        if self._pages is not None and self._pages[0] is layout:
+        if self._pages is not None:
             uniform_runs(layout, job, cut, self._gpu_to_cpu, runs.rows)
-            move = self._page_move(self._pages[1], job, cut)
+            move = self._page_move(self._pages, job, cut)
             self._issue(used, runs, cut.run_starts, move, stream, after)
             return None
         table = self._tables.take(count * layout.refs)

@@ -40,28 +40,33 @@ def strided_refusal(layout: UniformLayout | None) -> str | None:
 class StridedBackend(CopyBackend):
     name = BackendName.STRIDED
 
-    def __init__(
-        self, driver: CudaDriver, dma: DmaBackend, layout: UniformLayout, gpu_to_cpu: bool
-    ) -> None:
-        pitch = layout.layer_pitch()
-        if pitch is None:
-            raise ValueError(f"not a strided layout: {strided_refusal(layout)}")
+    def __init__(self, driver: CudaDriver, dma: DmaBackend, gpu_to_cpu: bool) -> None:
         self._driver = driver
         self._dma = dma
-        self.layout = layout
         self._gpu_to_cpu = gpu_to_cpu
+        self._prepared: tuple[UniformLayout, CUDA_MEMCPY2D] | None = None
+
+    def prepare_uniform(self, layout: UniformLayout) -> str | None:
+        """Take the handler's uniform layout where one 2-D copy moves its block, else say why
+        not (strided_refusal)."""
+        pitch = layout.layer_pitch()
+        if pitch is None:
+            return strided_refusal(layout)
         page = int(layout.page[0])
-        self._params = CUDA_MEMCPY2D.rows(page, layout.refs)
+        params = CUDA_MEMCPY2D.rows(page, layout.refs)
         # GPU rows a layer apart, host rows a page apart (the cell's pages back to back)
-        pitches = (pitch, page) if gpu_to_cpu else (page, pitch)
-        self._params.srcPitch, self._params.dstPitch = pitches
+        params.srcPitch, params.dstPitch = (pitch, page) if self._gpu_to_cpu else (page, pitch)
+        self._prepared = (layout, params)
+        return None
 
     def copy(self, batch: CopyBatch, stream: Stream, after: Stream | None = None) -> None:
         self._dma.copy(batch, stream, after)
 
     def copy_uniform(self, job: UniformJob, stream: Stream, after: Stream | None = None) -> None:
-        """One 2-D copy per block of a job of this backend's layout."""
-        layout = self.layout
+        """One 2-D copy per block of a job of the prepared layout."""
+        if self._prepared is None:
+            raise ValueError("copy_uniform before prepare_uniform")
+        layout, params = self._prepared
         gpu = layout.gpu_base[0] + job.gpu_ids * layout.gpu_stride[0]
         cells = layout.cpu_base + job.cpu_ids * layout.cpu_stride
         if self._gpu_to_cpu:
@@ -69,7 +74,7 @@ class StridedBackend(CopyBackend):
             sources, destinations = gpu[order], cells[order]
         else:
             sources, destinations = cells, gpu
-        params, handle, copy_2d = self._params, int(stream.cuda_stream), self._driver.memcpy_2d
+        handle, copy_2d = int(stream.cuda_stream), self._driver.memcpy_2d
         for source, destination in zip(sources.tolist(), destinations.tolist(), strict=True):
             params.srcDevice, params.dstDevice = source, destination
             code = copy_2d(params, handle)
