@@ -355,7 +355,9 @@ class KvshmOffloadingManager(CPUOffloadingManager):
     def _first_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if self._start(name):
             for shadowed in _FIRST_CALLS:
-                self.__dict__.pop(shadowed, None)
+                # not through __dict__, which would materialize the instance's attribute dict
+                # and slow every attribute vLLM's methods read from then on
+                delattr(self, shadowed)
         return getattr(type(self), name)(self, *args, **kwargs)
 
     def _start(self, call: str) -> bool:
