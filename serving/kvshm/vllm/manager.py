@@ -497,23 +497,32 @@ class KvshmOffloadingManager(CPUOffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        super().complete_store(keys, req_context, success)
         index = self._index
         if index is None or not success:
+            super().complete_store(keys, req_context, success)
             return
         journaled = self._journaled
         assert journaled is not None
         chunk_of, order_lookup = journaled.chunk_of, journaled.order_lookup
-        # R1: every worker reported the store of these keys complete (vLLM's connector calls
-        # this once a job's last worker reported it): each is ready now, and committed. A key
-        # that was ready before is committed again to the same slot, which changes nothing.
-        index.commit_many(
-            [
-                (chunk.chunk_id, key, order_lookup(key))
-                for key in keys
-                if (chunk := chunk_of(key)) is not None and chunk.ref_cnt >= 0
-            ]
-        )
+        mark_evictable = journaled.mark_evictable
+        # vLLM's success path, in one pass that also collects the commits. R1: every worker
+        # reported the store of these keys complete (vLLM's connector calls this once a job's
+        # last worker reported it): each key that turns ready is committed (one ready before
+        # was committed when it turned ready, or restored from its valid record).
+        stored_keys: list[OffloadKey] = []
+        commits: list[tuple[int, OffloadKey, tuple[int, int]]] = []
+        for key in keys:
+            chunk = chunk_of(key)
+            if chunk is not None and chunk.ref_cnt < 0:  # vLLM's `not chunk.is_ready`
+                chunk.ref_cnt = 0
+                mark_evictable(key)
+                stored_keys.append(key)
+                commits.append((chunk.chunk_id, key, order_lookup(key)))
+        self._num_write_pending_chunks -= len(stored_keys)
+        self._num_evictable_cache_chunks += len(stored_keys)
+        index.commit_many(commits)
+        if stored_keys and self.events is not None:
+            self.events.append(OffloadingEvent(keys=stored_keys, medium=self.medium, removed=False))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         super().on_schedule_end(context)
