@@ -125,6 +125,11 @@ class JournaledLRU(LRUCachePolicy):
         super().touch(keys, req_context)
         self.journal.moved.update(keys)
 
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        # vLLM's LRU takes a store miss as a touch (CachePolicy's default); its keys are not
+        # resident, so the touch moves none of them and there is nothing to journal
+        LRUCachePolicy.touch(self, keys, req_context)
+
     def on_request_finished(
         self,
         key_groups: Sequence[Sequence[OffloadKey]],
