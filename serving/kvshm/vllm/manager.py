@@ -17,7 +17,7 @@ import gc
 import heapq
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,8 @@ DROP_NEW, DROP_DAMAGED, DROP_UNAVAILABLE, DROP_OFF = "new", "damaged", "unavaila
 _FIRST_CALLS = ("on_new_request", "lookup", "prepare_store", "touch", "on_schedule_end")
 _RESTORE_REQUEST = "kvshm-warm-restart"
 _ARC_T1, _ARC_T2 = 1, 2
+
+Commit = tuple[int, OffloadKey, tuple[int, int]]  # a chunk's slot, key and eviction order
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -116,9 +118,6 @@ class JournaledLRU(LRUCachePolicy):
     def __init__(self, cache_capacity: int, journal: _Journal) -> None:
         super().__init__(cache_capacity)
         self.journal = journal
-        # C-level lookups for the commit path (vLLM's LRU keeps these two dicts for its life)
-        self.chunk_of: Callable[[OffloadKey], ChunkStatus | None] = self.chunks.get
-        self.order_lookup: Callable[[OffloadKey], tuple[int, int]] = self._ranks.__getitem__
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         keys = _listed(keys)
@@ -152,6 +151,24 @@ class JournaledLRU(LRUCachePolicy):
     def order_of(self, key: OffloadKey) -> tuple[int, int]:
         rank: tuple[int, int] = self._ranks[key]
         return rank
+
+    def mark_stored(self, keys: Iterable[OffloadKey]) -> list[Commit]:
+        """What vLLM's complete_store does to each key whose store completed (a resident chunk
+        not ready yet: ready now, and mark_evictable: evictable, on the heap with its rank), in
+        one pass; the (slot, key, order) of each, to commit."""
+        get, ranks, evictable, heap = self.chunks.get, self._ranks, self._evictable, self._heap
+        push, stored = heapq.heappush, []
+        for key in keys:
+            chunk = get(key)
+            if chunk is not None and chunk.ref_cnt < 0:  # vLLM's `not chunk.is_ready`
+                chunk.ref_cnt = 0
+                rank = ranks[key]
+                evictable.add(key)
+                push(heap, (rank, key))
+                stored.append((chunk.chunk_id, key, rank))
+        if stored:  # once, not a key: compacted later, the heap's current entries are the same
+            self._maybe_compact_heap()
+        return stored
 
     def committed_orders(self, keys: Iterable[OffloadKey]) -> list[tuple[int, tuple[int, int]]]:
         """(slot, order) of each key that is resident and committed (ready)."""
@@ -191,8 +208,6 @@ class JournaledARC(ARCCachePolicy):
         self.journal = journal
         self.stamps: dict[OffloadKey, int] = {}
         self._stamp = 0
-        self.chunk_of: Callable[[OffloadKey], ChunkStatus | None] = self.get
-        self.order_lookup: Callable[[OffloadKey], tuple[int, int]] = self.order_of
 
     def _moved(self, key: OffloadKey) -> None:
         self._stamp += 1
@@ -245,6 +260,19 @@ class JournaledARC(ARCCachePolicy):
 
     def order_of(self, key: OffloadKey) -> tuple[int, int]:
         return (_ARC_T1 if key in self.t1 else _ARC_T2, self.stamps[key])
+
+    def mark_stored(self, keys: Iterable[OffloadKey]) -> list[Commit]:
+        """What vLLM's complete_store does to each key whose store completed (a resident chunk
+        not ready yet: ready now, and mark_evictable); the (slot, key, order) of each, to
+        commit."""
+        stored = []
+        for key in keys:
+            chunk = self.get(key)
+            if chunk is not None and chunk.ref_cnt < 0:  # vLLM's `not chunk.is_ready`
+                chunk.ref_cnt = 0
+                self.mark_evictable(key)
+                stored.append((chunk.chunk_id, key, self.order_of(key)))
+        return stored
 
     def committed_orders(self, keys: Iterable[OffloadKey]) -> Iterator[tuple[int, tuple[int, int]]]:
         """(slot, order) of each key that is resident and committed (ready)."""
@@ -508,25 +536,18 @@ class KvshmOffloadingManager(CPUOffloadingManager):
             return
         journaled = self._journaled
         assert journaled is not None
-        chunk_of, order_lookup = journaled.chunk_of, journaled.order_lookup
-        mark_evictable = journaled.mark_evictable
-        # vLLM's success path, in one pass that also collects the commits. R1: every worker
-        # reported the store of these keys complete (vLLM's connector calls this once a job's
-        # last worker reported it): each key that turns ready is committed (one ready before
-        # was committed when it turned ready, or restored from its valid record).
-        stored_keys: list[OffloadKey] = []
-        commits: list[tuple[int, OffloadKey, tuple[int, int]]] = []
-        for key in keys:
-            chunk = chunk_of(key)
-            if chunk is not None and chunk.ref_cnt < 0:  # vLLM's `not chunk.is_ready`
-                chunk.ref_cnt = 0
-                mark_evictable(key)
-                stored_keys.append(key)
-                commits.append((chunk.chunk_id, key, order_lookup(key)))
-        self._num_write_pending_chunks -= len(stored_keys)
-        self._num_evictable_cache_chunks += len(stored_keys)
+        # vLLM's success path, the policy's part in one pass that also collects the commits.
+        # R1: every worker reported the store of these keys complete (vLLM's connector calls
+        # this once a job's last worker reported it): each key that turns ready is committed
+        # (one ready before was committed when it turned ready, or restored from its record).
+        commits = journaled.mark_stored(keys)
+        if not commits:
+            return
+        self._num_write_pending_chunks -= len(commits)
+        self._num_evictable_cache_chunks += len(commits)
         index.commit_many(commits)
-        if stored_keys and self.events is not None:
+        if self.events is not None:
+            stored_keys = [key for _, key, _ in commits]
             self.events.append(OffloadingEvent(keys=stored_keys, medium=self.medium, removed=False))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
