@@ -144,9 +144,48 @@ class JournaledLRU(LRUCachePolicy):
     def evict(
         self, n: int, protected: set[OffloadKey]
     ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
-        evicted = super().evict(n, protected)
-        self.journal.evicted(evicted)
-        return evicted
+        """vLLM 0.33's LRU evict restated with its per-entry check (_is_current) inline, and
+        R2 (invalidate each evicted chunk's record) in its last loop."""
+        if n == 0:
+            return []
+        heap, chunks, ranks, evictable = self._heap, self.chunks, self._ranks, self._evictable
+        pop, push = heapq.heappop, heapq.heappush
+        selected: list[tuple[Any, ChunkStatus]] = []
+        selected_keys: set[OffloadKey] = set()
+        deferred: list[Any] = []
+        while heap and len(selected) < n:
+            entry = pop(heap)
+            rank, key = entry
+            if key not in evictable or ranks.get(key) != rank:  # a stale entry
+                continue
+            if key in selected_keys:  # an equivalent entry left by a re-pin
+                continue
+            if key in protected:
+                deferred.append(entry)
+                continue
+            chunk = chunks[key]
+            assert chunk.ref_cnt == 0
+            selected.append((entry, chunk))
+            selected_keys.add(key)
+        if len(selected) < n:  # fails whole: every entry back
+            for entry, _ in selected:
+                push(heap, entry)
+            for entry in deferred:
+                push(heap, entry)
+            return None
+        for entry in deferred:
+            push(heap, entry)
+        index = self.journal.index
+        candidates = []
+        for (_, key), chunk in selected:
+            evictable.remove(key)
+            del chunks[key]
+            del ranks[key]
+            candidates.append((key, chunk))
+        if index is not None:
+            index.invalidate_many([chunk.chunk_id for _, chunk in selected])
+        self._maybe_compact_heap()
+        return candidates
 
     def order_of(self, key: OffloadKey) -> tuple[int, int]:
         rank: tuple[int, int] = self._ranks[key]
