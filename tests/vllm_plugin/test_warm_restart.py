@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import hashlib
 import json
 import logging
@@ -339,6 +340,75 @@ def test_a_restarted_manager_keeps_working_and_restarts_again(
     assert lookup_all(third, order) == len(order) and resident(third) == order
     assert len(third._free_list) + len(order) == CHUNKS or third._num_allocated_chunks < CHUNKS
     third.shutdown()
+
+
+class Lockstep:
+    """vLLM's own CPUOffloadingManager and a warm KvshmOffloadingManager given the same calls
+    (each its own copy of a request's context): every result and counter must be equal."""
+
+    def __init__(self, ours: Any, theirs: Any) -> None:
+        self.ours, self.theirs = ours, theirs
+        self.contexts: dict[int, tuple[Any, Any]] = {}
+
+    def context_copies(self, context: Any) -> tuple[Any, Any]:
+        if id(context) not in self.contexts:
+            theirs = copy.copy(context)
+            theirs._state = {}  # each manager keeps its own per-request state
+            self.contexts[id(context)] = (context, theirs)
+        return self.contexts[id(context)]
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        from vllm.v1.kv_offload.base import ReqContext
+
+        def both(*args: Any, **kwargs: Any) -> Any:
+            copies = [self.context_copies(a) if isinstance(a, ReqContext) else (a, a) for a in args]
+            ours = getattr(self.ours, name)(*[a for a, _ in copies], **kwargs)
+            theirs = getattr(self.theirs, name)(*[b for _, b in copies], **kwargs)
+            assert outcome(ours) == outcome(theirs), name
+            assert counters(self.ours) == counters(self.theirs), name
+            return ours
+
+        return both
+
+
+def outcome(result: Any) -> Any:
+    if hasattr(result, "keys_to_store"):
+        return list(result.keys_to_store), outcome(result.store_spec), list(result.evicted_keys)
+    if hasattr(result, "block_ids"):
+        return [int(slot) for slot in result.block_ids]
+    return result if result is None or isinstance(result, enum.Enum) else type(result)
+
+
+def counters(manager: Any) -> tuple[Any, ...]:
+    return (
+        manager._num_evictable_cache_chunks,
+        manager._num_write_pending_chunks,
+        manager._num_allocated_chunks,
+        list(manager._free_list),
+    )
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_the_warm_manager_answers_as_vllms_own(
+    shm_dir: Path, sha256_hashing: None, policy: str
+) -> None:
+    """The manager restates parts of vLLM's (complete_store's success path): same calls, same
+    answers, counters and events as vLLM's CPUOffloadingManager."""
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    from kvshm.vllm.manager import KvshmOffloadingManager, WarmStart
+
+    warm = WarmStart(str(shm_dir), "unit", {"test": "identity"})
+    ours = KvshmOffloadingManager(CHUNKS, cache_policy=policy, enable_events=True, warm=warm)
+    theirs = CPUOffloadingManager(CHUNKS, cache_policy=policy, enable_events=True)
+    drive(Lockstep(ours, theirs), random.Random(11), 400)
+    assert ours.warm_outcome is not None and ours._index is not None
+
+    def events(manager: Any) -> list[tuple[Any, ...]]:
+        return [(e.keys, e.removed, e.metadata_only) for e in manager.take_events()]
+
+    assert events(ours) == events(theirs)
+    ours.shutdown()
 
 
 def test_reset_cache_drops_every_chunk_for_a_restart_too(

@@ -17,7 +17,7 @@ import gc
 import heapq
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,8 @@ DROP_NEW, DROP_DAMAGED, DROP_UNAVAILABLE, DROP_OFF = "new", "damaged", "unavaila
 _FIRST_CALLS = ("on_new_request", "lookup", "prepare_store", "touch", "on_schedule_end")
 _RESTORE_REQUEST = "kvshm-warm-restart"
 _ARC_T1, _ARC_T2 = 1, 2
+
+Commit = tuple[int, OffloadKey, tuple[int, int]]  # a chunk's slot, key and eviction order
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -116,14 +118,16 @@ class JournaledLRU(LRUCachePolicy):
     def __init__(self, cache_capacity: int, journal: _Journal) -> None:
         super().__init__(cache_capacity)
         self.journal = journal
-        # C-level lookups for the commit path (vLLM's LRU keeps these two dicts for its life)
-        self.chunk_of: Callable[[OffloadKey], ChunkStatus | None] = self.chunks.get
-        self.order_lookup: Callable[[OffloadKey], tuple[int, int]] = self._ranks.__getitem__
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         keys = _listed(keys)
         super().touch(keys, req_context)
         self.journal.moved.update(keys)
+
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        # vLLM's LRU takes a store miss as a touch (CachePolicy's default); its keys are not
+        # resident, so the touch moves none of them and there is nothing to journal
+        LRUCachePolicy.touch(self, keys, req_context)
 
     def on_request_finished(
         self,
@@ -140,13 +144,70 @@ class JournaledLRU(LRUCachePolicy):
     def evict(
         self, n: int, protected: set[OffloadKey]
     ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
-        evicted = super().evict(n, protected)
-        self.journal.evicted(evicted)
-        return evicted
+        """vLLM 0.33's LRU evict restated with its per-entry check (_is_current) inline, and
+        R2 (invalidate each evicted chunk's record) in its last loop."""
+        if n == 0:
+            return []
+        heap, chunks, ranks, evictable = self._heap, self.chunks, self._ranks, self._evictable
+        pop, push = heapq.heappop, heapq.heappush
+        selected: list[tuple[Any, ChunkStatus]] = []
+        selected_keys: set[OffloadKey] = set()
+        deferred: list[Any] = []
+        while heap and len(selected) < n:
+            entry = pop(heap)
+            rank, key = entry
+            if key not in evictable or ranks.get(key) != rank:  # a stale entry
+                continue
+            if key in selected_keys:  # an equivalent entry left by a re-pin
+                continue
+            if key in protected:
+                deferred.append(entry)
+                continue
+            chunk = chunks[key]
+            assert chunk.ref_cnt == 0
+            selected.append((entry, chunk))
+            selected_keys.add(key)
+        if len(selected) < n:  # fails whole: every entry back
+            for entry, _ in selected:
+                push(heap, entry)
+            for entry in deferred:
+                push(heap, entry)
+            return None
+        for entry in deferred:
+            push(heap, entry)
+        index = self.journal.index
+        candidates = []
+        for (_, key), chunk in selected:
+            evictable.remove(key)
+            del chunks[key]
+            del ranks[key]
+            candidates.append((key, chunk))
+        if index is not None:
+            index.invalidate_many([chunk.chunk_id for _, chunk in selected])
+        self._maybe_compact_heap()
+        return candidates
 
     def order_of(self, key: OffloadKey) -> tuple[int, int]:
         rank: tuple[int, int] = self._ranks[key]
         return rank
+
+    def mark_stored(self, keys: Iterable[OffloadKey]) -> list[Commit]:
+        """What vLLM's complete_store does to each key whose store completed (a resident chunk
+        not ready yet: ready now, and mark_evictable: evictable, on the heap with its rank), in
+        one pass; the (slot, key, order) of each, to commit."""
+        get, ranks, evictable, heap = self.chunks.get, self._ranks, self._evictable, self._heap
+        push, stored = heapq.heappush, []
+        for key in keys:
+            chunk = get(key)
+            if chunk is not None and chunk.ref_cnt < 0:  # vLLM's `not chunk.is_ready`
+                chunk.ref_cnt = 0
+                rank = ranks[key]
+                evictable.add(key)
+                push(heap, (rank, key))
+                stored.append((chunk.chunk_id, key, rank))
+        if stored:  # once, not a key: compacted later, the heap's current entries are the same
+            self._maybe_compact_heap()
+        return stored
 
     def committed_orders(self, keys: Iterable[OffloadKey]) -> list[tuple[int, tuple[int, int]]]:
         """(slot, order) of each key that is resident and committed (ready)."""
@@ -186,8 +247,6 @@ class JournaledARC(ARCCachePolicy):
         self.journal = journal
         self.stamps: dict[OffloadKey, int] = {}
         self._stamp = 0
-        self.chunk_of: Callable[[OffloadKey], ChunkStatus | None] = self.get
-        self.order_lookup: Callable[[OffloadKey], tuple[int, int]] = self.order_of
 
     def _moved(self, key: OffloadKey) -> None:
         self._stamp += 1
@@ -240,6 +299,19 @@ class JournaledARC(ARCCachePolicy):
 
     def order_of(self, key: OffloadKey) -> tuple[int, int]:
         return (_ARC_T1 if key in self.t1 else _ARC_T2, self.stamps[key])
+
+    def mark_stored(self, keys: Iterable[OffloadKey]) -> list[Commit]:
+        """What vLLM's complete_store does to each key whose store completed (a resident chunk
+        not ready yet: ready now, and mark_evictable); the (slot, key, order) of each, to
+        commit."""
+        stored = []
+        for key in keys:
+            chunk = self.get(key)
+            if chunk is not None and chunk.ref_cnt < 0:  # vLLM's `not chunk.is_ready`
+                chunk.ref_cnt = 0
+                self.mark_evictable(key)
+                stored.append((chunk.chunk_id, key, self.order_of(key)))
+        return stored
 
     def committed_orders(self, keys: Iterable[OffloadKey]) -> Iterator[tuple[int, tuple[int, int]]]:
         """(slot, order) of each key that is resident and committed (ready)."""
@@ -355,7 +427,9 @@ class KvshmOffloadingManager(CPUOffloadingManager):
     def _first_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if self._start(name):
             for shadowed in _FIRST_CALLS:
-                self.__dict__.pop(shadowed, None)
+                # not through __dict__, which would materialize the instance's attribute dict
+                # and slow every attribute vLLM's methods read from then on
+                delattr(self, shadowed)
         return getattr(type(self), name)(self, *args, **kwargs)
 
     def _start(self, call: str) -> bool:
@@ -495,23 +569,25 @@ class KvshmOffloadingManager(CPUOffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        super().complete_store(keys, req_context, success)
         index = self._index
         if index is None or not success:
+            super().complete_store(keys, req_context, success)
             return
         journaled = self._journaled
         assert journaled is not None
-        chunk_of, order_lookup = journaled.chunk_of, journaled.order_lookup
+        # vLLM's success path, the policy's part in one pass that also collects the commits.
         # R1: every worker reported the store of these keys complete (vLLM's connector calls
-        # this once a job's last worker reported it): each is ready now, and committed. A key
-        # that was ready before is committed again to the same slot, which changes nothing.
-        index.commit_many(
-            [
-                (chunk.chunk_id, key, order_lookup(key))
-                for key in keys
-                if (chunk := chunk_of(key)) is not None and chunk.ref_cnt >= 0
-            ]
-        )
+        # this once a job's last worker reported it): each key that turns ready is committed
+        # (one ready before was committed when it turned ready, or restored from its record).
+        commits = journaled.mark_stored(keys)
+        if not commits:
+            return
+        self._num_write_pending_chunks -= len(commits)
+        self._num_evictable_cache_chunks += len(commits)
+        index.commit_many(commits)
+        if self.events is not None:
+            stored_keys = [key for _, key, _ in commits]
+            self.events.append(OffloadingEvent(keys=stored_keys, medium=self.medium, removed=False))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         super().on_schedule_end(context)
