@@ -144,48 +144,43 @@ class JournaledLRU(LRUCachePolicy):
     def evict(
         self, n: int, protected: set[OffloadKey]
     ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
-        """vLLM 0.33's LRU evict restated with its per-entry check (_is_current) inline, and
-        R2 (invalidate each evicted chunk's record) in its last loop."""
+        """The n least recently used evictable chunks outside `protected`, removed, or None
+        (and nothing removed) where there are fewer: vLLM's LRU contract, its per-entry
+        check done here rather than by a method call an entry; and R2, each evicted chunk's
+        record invalidated before the chunks are handed back for reuse."""
         if n == 0:
             return []
-        heap, chunks, ranks, evictable = self._heap, self.chunks, self._ranks, self._evictable
-        pop, push = heapq.heappop, heapq.heappush
-        selected: list[tuple[Any, ChunkStatus]] = []
-        selected_keys: set[OffloadKey] = set()
-        deferred: list[Any] = []
-        while heap and len(selected) < n:
-            entry = pop(heap)
+        heap, ranks, evictable, chunks = self._heap, self._ranks, self._evictable, self.chunks
+        oldest: dict[OffloadKey, Any] = {}  # key -> its heap entry, least recent first
+        kept_back: list[Any] = []  # protected: back on the heap whatever happens
+        while heap and len(oldest) < n:
+            entry = heapq.heappop(heap)
             rank, key = entry
-            if key not in evictable or ranks.get(key) != rank:  # a stale entry
-                continue
-            if key in selected_keys:  # an equivalent entry left by a re-pin
+            # lazy deletion: an entry counts only while it holds its key's current rank (a
+            # re-pin can leave an equal second one, which lands on the same key in `oldest`)
+            if key not in evictable or ranks.get(key) != rank:
                 continue
             if key in protected:
-                deferred.append(entry)
-                continue
-            chunk = chunks[key]
-            assert chunk.ref_cnt == 0
-            selected.append((entry, chunk))
-            selected_keys.add(key)
-        if len(selected) < n:  # fails whole: every entry back
-            for entry, _ in selected:
-                push(heap, entry)
-            for entry in deferred:
-                push(heap, entry)
+                kept_back.append(entry)
+            elif chunks[key].ref_cnt != 0:  # evictable means unused: a broken invariant
+                raise AssertionError(f"chunk {chunks[key].chunk_id} is evictable but in use")
+            else:
+                oldest[key] = entry
+        for entry in kept_back:
+            heapq.heappush(heap, entry)
+        if len(oldest) < n:
+            for entry in oldest.values():
+                heapq.heappush(heap, entry)
             return None
-        for entry in deferred:
-            push(heap, entry)
-        index = self.journal.index
-        candidates = []
-        for (_, key), chunk in selected:
+        evicted = []
+        for key in oldest:
+            chunk = chunks.pop(key)
             evictable.remove(key)
-            del chunks[key]
             del ranks[key]
-            candidates.append((key, chunk))
-        if index is not None:
-            index.invalidate_many([chunk.chunk_id for _, chunk in selected])
+            evicted.append((key, chunk))
+        self.journal.evicted(evicted)
         self._maybe_compact_heap()
-        return candidates
+        return evicted
 
     def order_of(self, key: OffloadKey) -> tuple[int, int]:
         rank: tuple[int, int] = self._ranks[key]
