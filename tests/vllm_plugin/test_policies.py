@@ -13,12 +13,12 @@ from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
-from kvshm.vllm.manager import JournaledLRU, _Journal
+from kvshm.vllm.policies import Journal, JournaledLRU
 
 KEYS = [f"key-{i}".encode() for i in range(48)]
 
 
-class RecordingJournal(_Journal):
+class RecordingJournal(Journal):
     __slots__ = ("evicted_chunks",)
 
     def __init__(self) -> None:
