@@ -70,6 +70,7 @@ def serve(conn: Connection) -> None:
             # this process created, and regions (with their rings) outlive the agent.
             os._exit(0)
         directory = _ReceivedDirectory(key, reduction.recv_handle(conn))
+        reply = ("ok", "")
         try:
             if command == "prepare":
                 queues.prepare(directory, payload)
@@ -77,11 +78,12 @@ def serve(conn: Connection) -> None:
                 queues.publish(directory, payload)
             else:
                 queues.close(directory)
-            conn.send(("ok", ""))
         except Exception as exc:  # reported to the agent, which logs it; the child goes on
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            reply = ("error", f"{type(exc).__name__}: {exc}")
         finally:
             os.close(directory.fd)
+        # only now: once the agent has the reply, this process holds nothing of the directory
+        conn.send(reply)
 
 
 class IsolatedEventQueues:
