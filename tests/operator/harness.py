@@ -132,6 +132,16 @@ class Cluster:
                     found.append({"reason": event.reason, "message": event.message})
         return found
 
+    def wait_events(self, name: str, *reasons: str, timeout: float = 10) -> list[dict[str, Any]]:
+        """The object's Events once every one of `reasons` is among them. kopf posts Events
+        from a queue of its own, so one may follow the state change it tells of by a moment."""
+        wait_for(
+            lambda: set(reasons) <= {event["reason"] for event in self.events(name)},
+            timeout,
+            f"{', '.join(reasons)} Events about {name}",
+        )
+        return self.events(name)
+
     def phase(self, name: str) -> str | None:
         return self.status(name).get("phase")
 

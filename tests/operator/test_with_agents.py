@@ -63,7 +63,7 @@ def test_apply_makes_files_on_both_nodes_and_ready(
         region = cluster.region("r1")
         assert region is not None
         assert region["metadata"]["finalizers"] == ["kvshm.dev/operator"]
-        assert any(event["reason"] == "Ready" for event in cluster.events("r1"))
+        cluster.wait_events("r1", "Ready")
     for agent in agents.values():
         assert agent.files() == [region_file(cluster, "r1")]
 
@@ -183,8 +183,7 @@ def test_an_orphan_of_a_killed_process_is_reclaimed_after_the_grace_period_not_b
         wait_for(lambda: agent.files() == [], GRACE + 10, "the orphan to be reclaimed")
         assert time.monotonic() - killed <= GRACE + 12
         wait_for(lambda: not requested(cluster, node), 10, "the answered request to be closed")
-        reasons = {event["reason"] for event in cluster.events(node)}
-        assert {"ReclaimRequested", "ReclaimCompleted"} <= reasons
+        cluster.wait_events(node, "ReclaimRequested", "ReclaimCompleted")
     assert sample("kvshm_operator_reclaims_requested_total") - requested_before == 1
     assert sample("kvshm_operator_reclaims_completed_total") - completed_before == 1
 
@@ -253,7 +252,7 @@ def test_a_silent_agent_degrades_the_region_with_a_reason(
             degraded = cluster.condition("r1", "Degraded")
             assert (degraded["status"], degraded["reason"]) == ("True", "AgentSilent")
             assert "node-b" in degraded["message"] and "silent" in degraded["message"]
-            assert any(e["reason"] == "Degraded" for e in cluster.events("r1"))
+            cluster.wait_events("r1", "Degraded")
         finally:
             process.send_signal(signal.SIGCONT)
         cluster.wait_phase("r1", "Ready", timeout=20)
@@ -280,7 +279,7 @@ def test_a_gone_node_loses_its_offload_node_and_its_place_in_region_status(
         )
         status = cluster.wait_phase("r1", "Ready", timeout=10)
         assert (status["nodesReady"], status["nodesWanted"]) == (1, 1)
-        assert any(e["reason"] == "NodeGone" for e in cluster.events("r1"))
+        cluster.wait_events("r1", "NodeGone")
 
 
 def test_dry_run_reports_an_orphan_and_requests_nothing(
