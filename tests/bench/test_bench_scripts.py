@@ -151,6 +151,7 @@ def test_the_registration_cost_benchmark_takes_registration_apart(
         one = figures[pages]["one"]
         assert one["cells"]["calls"] == one["rows"]["calls"] == 51  # 0.25 GiB of 5 MiB rows
         assert one["whole"]["calls"] == 1
+        assert one["window"]["register_s"] > 0  # rank 0's cells back to back, one call
         assert len(figures[pages]["concurrent"]) == 2
     assert "µs a MiB" in result.stdout
     assert list(shm_dir.iterdir()) == []
