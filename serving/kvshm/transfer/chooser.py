@@ -11,7 +11,6 @@ from kvshm.transfer.backends.base import BackendName, CopyBackend
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.factory import build_backends
 from kvshm.transfer.backends.staged import StagedBackend
-from kvshm.transfer.backends.strided import StridedBackend
 from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.errors import BackendUnavailableError
 from kvshm.transfer.metrics import Direction
@@ -184,10 +183,6 @@ class BackendChooser:
     def staged(self) -> StagedBackend | None:
         staged = self._backends.get(BackendName.STAGED)
         return staged if isinstance(staged, StagedBackend) else None
-
-    def strided(self) -> StridedBackend | None:
-        strided = self._backends.get(BackendName.STRIDED)
-        return strided if isinstance(strided, StridedBackend) else None
 
     def staged_for_uniform(self, layout: UniformLayout) -> StagedBackend | None:
         """The staged backend if it is what choose() picks for every job of this uniform
