@@ -26,7 +26,6 @@ the whole file are registered by N processes at once, each its own rank's cells,
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import mmap
 import multiprocessing as mp
@@ -42,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from bench.common.pages import describe_root, huge_root  # noqa: E402
 
 from kvshm.region import memory  # noqa: E402
-from kvshm.region.pinning import cuda_runtime  # noqa: E402
+from kvshm.region.pinning import CudaRegistration, cuda_runtime  # noqa: E402
 
 MIB = 1 << 20
 ROW_BYTES = 5 * MIB
@@ -63,15 +62,12 @@ def shapes(size: int, rank: int) -> dict[str, list[tuple[int, int]]]:
 
 def register_each(cudart: Any, address: int, ranges: list[tuple[int, int]]) -> dict[str, float]:
     """Register every range, a call each, then unregister them; seconds and µs a call."""
+    registration = CudaRegistration(cudart, address, ranges)
     started = time.perf_counter()
-    for offset, length in ranges:
-        code = cudart.cudaHostRegister(address + offset, length, 0)
-        if int(getattr(code, "value", code)) != 0:
-            raise SystemExit(f"cudaHostRegister({offset}, {length}) failed: {code}")
+    registration.register()
     registered = time.perf_counter() - started
     started = time.perf_counter()
-    for offset, _ in ranges:
-        cudart.cudaHostUnregister(address + offset)
+    registration.unregister()
     return {
         "calls": len(ranges),
         "register_s": registered,
@@ -80,23 +76,13 @@ def register_each(cudart: Any, address: int, ranges: list[tuple[int, int]]) -> d
     }
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long]  # fmt: skip
-_libc.mmap.restype = ctypes.c_void_p
-
-
 def map_window(fd: int, cells: list[tuple[int, int]]) -> tuple[mmap.mmap, int]:
     """The cells of fd mapped back to back in a fresh range: (its reservation, its address)."""
     length = sum(size for _, size in cells)
     reservation = mmap.mmap(-1, length, mmap.MAP_PRIVATE | memory.MAP_NORESERVE)
-    address = memory.mapping_address(reservation)
-    at = address
+    address = at = memory.mapping_address(reservation)
     for offset, size in cells:
-        result = _libc.mmap(at, size, mmap.PROT_READ | mmap.PROT_WRITE,
-                            mmap.MAP_SHARED | memory.MAP_FIXED, fd, offset)  # fmt: skip
-        if result != at:
-            raise OSError(ctypes.get_errno(), f"mmap of a cell at offset {offset}")
+        memory.map_file_at(at, size, fd, offset)
         at += size
     return reservation, address
 

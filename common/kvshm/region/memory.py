@@ -69,16 +69,17 @@ def _check(result: int, call: str) -> None:
         raise OSError(err, f"{call}: {os.strerror(err)}")
 
 
-def map_file_at(address: int, length: int, fd: int) -> None:
-    """Map the first `length` bytes of fd shared and read-write exactly at `address`, replacing
-    what was mapped there (MAP_FIXED): how several files become one contiguous range."""
+def map_file_at(address: int, length: int, fd: int, offset: int = 0) -> None:
+    """Map `length` bytes of fd from `offset` (whole pages) shared and read-write exactly at
+    `address`, replacing what was mapped there (MAP_FIXED): how several files become one
+    contiguous range."""
     result = _libc.mmap(
         address,
         length,
         mmap.PROT_READ | mmap.PROT_WRITE,
         mmap.MAP_SHARED | MAP_FIXED,
         fd,
-        0,
+        offset,
     )
     if result != address:
         err = ctypes.get_errno()
