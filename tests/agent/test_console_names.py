@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvshm.agent.printable import printable
+from kvshm.api.messages import printable
 from tests.agent.hostile import RunningAgent, tenant, tenant_manifest, traversable, write_regions
 
 _HOSTILE_NAMES = r"""

@@ -6,7 +6,10 @@ its name is never followed. A Ready region's status says what the last engine ma
 
 from __future__ import annotations
 
+import json
 import os
+import time
+import urllib.request
 from pathlib import Path
 
 from kvshm.agent.warmindex import warm_index_report
@@ -14,6 +17,14 @@ from kvshm.api import NodeRegionPhase, ReclaimOutcome, WarmIndexReport, WarmInde
 from kvshm.region.index import HEADER_BYTES, IndexReading, Outcome, RegionIndex
 from kvshm.region.naming import index_file_name, parse_index_file_name, parse_region_file_name
 from tests.agent.builders import make_reconciler, reclaim, region, settle, view
+from tests.agent.hostile import (
+    RunningAgent,
+    tenant,
+    tenant_manifest,
+    traversable,
+    write_regions,
+)
+from tests.region.index_planting import header, outcome_json, planted_headers
 
 PATH = "ns1/r1/vllm_offload_r1.mmap"
 RECORDS = 16
@@ -155,3 +166,60 @@ def test_an_outcome_is_bounded_before_it_reaches_the_status() -> None:
     assert len(report.reason) <= 4096
     assert warm_index_report(IndexReading(True, Outcome("cold", "", 0, -5.0))).started is None
     assert warm_index_report(IndexReading(False)).state is WarmIndexState.ABSENT
+
+
+def test_every_planted_index_fails_only_its_own_warm_index_never_the_pass(
+    shm_dir: Path,
+) -> None:
+    """The fuzzer's headers, each in turn in one tenant's directory: every pass publishes, a
+    region of another tenant made meanwhile gets Ready, and each status is writable (UTF-8
+    JSON of the schema's types)."""
+    root = shm_dir / "root"
+    reconciler = make_reconciler(root)
+    planted, other = region(), region("r2", "ns2")
+    settle(reconciler, view(planted))
+    index = root / "ns1" / "r1" / index_file_name("r1")
+    for number, (name, planted_bytes) in enumerate(planted_headers(mutations=150)):
+        index.write_bytes(planted_bytes + bytes(RECORDS * 80))
+        later = region(f"later{number}", "ns2") if number % 25 == 0 else None
+        regions = (planted, other) + ((later,) if later is not None else ())
+        result = settle(reconciler, view(*regions))
+        reports = result.reports
+        assert reports["ns2/r2"].phase is NodeRegionPhase.READY, name
+        if later is not None:
+            assert reports[later.key].phase is NodeRegionPhase.READY, name
+        report = reports["ns1/r1"]
+        assert report.phase is NodeRegionPhase.READY and report.warm_index is not None, name
+        status = report.to_status()["warmIndex"]
+        json.dumps(status, ensure_ascii=False).encode()  # a lone surrogate would raise here
+        assert type(status["chunks"]) is int and 0 <= status["chunks"] < 1 << 63, name
+        assert status["reason"].isprintable() and len(status["reason"]) <= 4096, name
+
+
+_PLANT = """
+import sys
+path, data = sys.argv[1], bytes.fromhex(sys.argv[2])
+open(path, "wb").write(data + bytes(16 * 80))
+"""
+
+
+def test_a_hostile_tenants_index_leaves_the_agent_live_and_publishing(shm_dir: Path) -> None:
+    """A real agent, a real unprivileged tenant planting the two headers that once failed
+    every pass (a 1,500-deep identity, an outcome time past the largest float): passes go on,
+    /healthz stays 200, and another tenant's new region gets Ready."""
+    regions = traversable(shm_dir) / "regions"
+    regions.mkdir()
+    write_regions(regions, "planter.yaml", tenant_manifest("planter"))
+    with RunningAgent(regions, shm_dir / "root", "--port", "0") as agent:
+        agent.saw("tenant/planter  Ready")
+        index = shm_dir / "root" / "tenant" / "planter" / index_file_name("planter")
+        deep = header(b"[" * 1500 + b"]" * 1500, outcome_json())
+        late = header(outcome=outcome_json(at=10**320))
+        for other, planted in (("other1", deep), ("other2", late)):
+            tenant(_PLANT, str(index), planted.hex())
+            time.sleep(1)  # five passes over the planted file
+            write_regions(regions, f"{other}.yaml", tenant_manifest(other))
+            agent.saw(f"tenant/{other}  Ready")
+            with urllib.request.urlopen(agent.url + "/healthz", timeout=5) as reply:
+                assert reply.status == 200
+        assert "pass failed" not in agent.output()

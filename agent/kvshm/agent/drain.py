@@ -23,7 +23,6 @@ from typing import Protocol
 from kvshm.agent.errors import describe
 from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion
-from kvshm.agent.printable import printable
 from kvshm.agent.regionfiles import (
     FoundFile,
     describe_unsafe,
@@ -36,6 +35,7 @@ from kvshm.agent.regionfiles import (
 from kvshm.agent.saferoot import RegionDir, RegionRoot
 from kvshm.agent.sizes import format_bytes
 from kvshm.api import OffloadRegion, ReclaimPolicy, region_key
+from kvshm.api.messages import printable
 from kvshm.region import UnsafePathError
 from kvshm.region.drain_event import DrainEvent
 

@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvshm.agent.errors import describe
-from kvshm.agent.printable import printable
 from kvshm.agent.rootfs import require_tmpfs
 from kvshm.agent.rootpages import probe_pages
 from kvshm.api import RegionAccess, RootPages, region_key
 from kvshm.api.address import is_dns_label, is_dns_subdomain
+from kvshm.api.messages import printable
 from kvshm.region import RegionFileName, UnsafePathError, parse_region_file_name
 from kvshm.region.safefile import describe_file_type
 

@@ -6,6 +6,7 @@ it reaches the status."""
 
 from __future__ import annotations
 
+import logging
 import math
 from datetime import UTC, datetime
 
@@ -14,12 +15,22 @@ from kvshm.agent.saferoot import RegionRoot
 from kvshm.api import OffloadRegion, WarmIndexReport, WarmIndexState
 from kvshm.region.index import IndexReading, read_outcome
 
-_MAX_CHUNKS = (1 << 63) - 1  # the schema's int64
+log = logging.getLogger(__name__)
 
 
 def read_warm_index(root: RegionRoot, region: OffloadRegion) -> WarmIndexReport:
     """The region's index as the status says it; never raises on what the tenant's file or
     directory holds (what cannot be read is Unreadable, with why)."""
+    try:
+        return _read_warm_index(root, region)
+    except Exception as exc:  # a tenant's file may fail one region's report, never the pass
+        log.exception("the warm index of %s could not be read", region.key)
+        return WarmIndexReport(
+            WarmIndexState.UNREADABLE, f"the agent could not read it ({type(exc).__name__})"
+        )
+
+
+def _read_warm_index(root: RegionRoot, region: OffloadRegion) -> WarmIndexReport:
     try:
         region_dir = root.open_region_dir(region.namespace, region.name)
         if region_dir is None:
@@ -41,7 +52,7 @@ def warm_index_report(reading: IndexReading) -> WarmIndexReport:
     return WarmIndexReport(
         state,
         outcome.reason,
-        min(max(outcome.chunks, 0), _MAX_CHUNKS),
+        outcome.chunks,
         _moment(outcome.at),
     )
 

@@ -8,6 +8,7 @@ get a phase. Lists are summarised, and every message is cut to its field's bound
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections.abc import Sequence
 
 # maxLength of OffloadRegion status.message and status.nodes.<node>.message (the CRD's)
@@ -25,6 +26,33 @@ def summarize(items: Sequence[str], noun: str = "nodes", shown: int = SHOWN) -> 
             return "".join(items)
         return f"{', '.join(items[:-1])} and {items[-1]}"
     return f"{len(items)} {noun}: {', '.join(items[:shown])} and {len(items) - shown} more"
+
+
+# Cc controls (ESC, BEL, CR, ...), Cf format characters (bidi overrides, zero-width),
+# Cs surrogates (os.listdir's stand-ins for bytes that are not UTF-8), Zl/Zp separators
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # surrogateescape: the original byte
+        return f"\\x{code - 0xDC00:02x}"
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def printable(text: str) -> str:
+    """`text` (a tenant's name or words) with every character that could act on a terminal, or
+    is no character at all, written as a Python-style escape; ordinary text, accented letters
+    included, unchanged. Such text then prints, logs and encodes as UTF-8 in a status: a lone
+    surrogate would fail the API write, an escape sequence would rewrite `kubectl describe`."""
+    if text.isprintable():
+        return text
+    return "".join(
+        _escape(c) if c != " " and unicodedata.category(c) in _UNSAFE_CATEGORIES else c
+        for c in text
+    )
 
 
 def bounded(text: str, limit: int = MAX_STATUS_MESSAGE) -> str:

@@ -16,6 +16,7 @@ MAX_PATH = 1024  # maxLength of every path in OffloadNode
 MAX_REPORT_PATH = 4096  # maxLength of status.nodes.<node>.path
 MAX_AGENT_VERSION = 128
 MAX_REASON = 1024  # maxLength of spec.reclaims[].reason
+MAX_INT64 = (1 << 63) - 1  # an integer field's format: int64
 MAX_REGION_KEY = 317  # maxLength of claimedBy and retained[].region: <namespace>/<name>
 
 

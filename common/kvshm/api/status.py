@@ -31,8 +31,9 @@ from datetime import datetime
 from typing import Any
 
 from kvshm.api.address import NodeName
-from kvshm.api.messages import MAX_STATUS_MESSAGE, bounded
+from kvshm.api.messages import MAX_STATUS_MESSAGE, bounded, printable
 from kvshm.api.reading import (
+    MAX_INT64,
     MAX_REPORT_PATH,
     format_timestamp,
     keep_field,
@@ -60,7 +61,9 @@ class WarmIndexReport:
     started: datetime | None = None  # when the engine made it
 
     def __post_init__(self) -> None:
-        keep_field(self, "reason", bounded(self.reason, MAX_STATUS_MESSAGE))
+        # the tenant's words: escaped (a lone surrogate fails the API write), then bounded
+        keep_field(self, "reason", bounded(printable(self.reason), MAX_STATUS_MESSAGE))
+        keep_field(self, "chunks", min(read_count(self.chunks), MAX_INT64))
         keep_field(self, "started", maybe_whole_seconds(self.started))
 
     def to_status(self) -> dict[str, Any]:

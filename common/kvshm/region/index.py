@@ -15,14 +15,16 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import mmap
 import os
+import re
 import struct
 import time
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from kvshm.region import safefile
 from kvshm.region.errors import RegionError, UnsafePathError
@@ -91,6 +93,30 @@ def index_size(records: int) -> int:
     a page."""
     raw = HEADER_BYTES + records * RECORD_BYTES
     return -(-raw // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def flat_json_object(document: bytes) -> dict[str, Any]:
+    """The JSON object of scalars a tenant's bytes hold (an identity, an outcome). Nesting is
+    refused before json reads it (json recurses once a level: a deep array is a RecursionError),
+    and what json can raise on other bytes is a ValueError here."""
+    outside_strings = _JSON_STRING.sub(b'""', document).strip()
+    if not (outside_strings.startswith(b"{") and outside_strings.endswith(b"}")):
+        raise ValueError("not a JSON object")
+    if any(outside_strings.count(bracket) for bracket in (b"[", b"]")) or (
+        outside_strings.count(b"{"),
+        outside_strings.count(b"}"),
+    ) != (1, 1):
+        raise ValueError("a nested value: only strings, numbers, booleans and null")
+    try:
+        value = json.loads(document)
+    except (ValueError, RecursionError) as exc:  # RecursionError: belt and braces
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
 
 
 def identity_document(identity: Identity) -> bytes:
@@ -165,24 +191,30 @@ class Outcome:
 
     @classmethod
     def decode(cls, block: bytes) -> Outcome | None:
-        """The outcome in a header's outcome block, or None when there is none or it is torn."""
+        """The outcome in a header's outcome block, or None when there is none, it is torn, or
+        it holds what no engine writes (a tenant's: anything at all)."""
         crc, length = _OUTCOME_HEAD.unpack_from(block)
         body = block[_OUTCOME_HEAD.size : _OUTCOME_HEAD.size + length]
         if not 0 < length <= len(block) - _OUTCOME_HEAD.size or zlib.crc32(body) != crc:
             return None
         try:
-            data = json.loads(body)
+            data = flat_json_object(body)
             state, reason, chunks, at = data["state"], data["reason"], data["chunks"], data["at"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError):
             return None
         if not (
             state in ("warm", "cold")
-            and isinstance(reason, str)
-            and isinstance(chunks, int)
-            and isinstance(at, (int, float))
+            and type(reason) is str
+            and type(chunks) is int  # a bool is an int to Python, not to the status
+            and 0 <= chunks <= _I64_MAX
+            and type(at) in (int, float)
         ):
             return None
-        return cls(state, reason, chunks, float(at))
+        try:
+            seconds = float(at)
+        except OverflowError:  # an integer past the largest float
+            return None
+        return cls(state, reason, chunks, seconds) if math.isfinite(seconds) else None
 
 
 @dataclass(frozen=True)
@@ -234,9 +266,7 @@ def parse_header(data: bytes, records: int | None = None) -> IndexHeader:
     if hashlib.sha256(document).digest() != digest:
         return bad("the identity's digest does not match")
     try:
-        identity = json.loads(document)
-        if not isinstance(identity, dict):
-            raise ValueError("not an object")
+        identity = flat_json_object(document)
         identity_document(identity)  # the same rules as when it was written
     except (ValueError, InvalidIdentity) as exc:
         return bad(f"the identity is unreadable ({exc})")

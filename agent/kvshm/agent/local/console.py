@@ -8,11 +8,12 @@ from typing import TextIO
 
 from kvshm.agent.gate import ReportGate
 from kvshm.agent.inventory import RootScan
-from kvshm.agent.printable import encodable, printable
+from kvshm.agent.printable import encodable
 from kvshm.agent.reports import EventReason, PassResult
 from kvshm.agent.rootpages import describe_pages
 from kvshm.agent.sizes import format_bytes
 from kvshm.api import NodeRegionPhase, NodeReport
+from kvshm.api.messages import printable
 
 # Status lines already tell phase changes; these events add what a status line cannot.
 _PRINTED_EVENTS = frozenset(
