@@ -65,6 +65,7 @@ def tiny_cpu_runs(directory: Path) -> dict[str, tuple[list[str], str]]:
     tiny_warm_restart = ["--chunks", "200", "--requests", "300", "--rounds", "1"]
     tiny_warm_restart += ["--restore-chunks", "100"]
     warm_gpu_flow = ["--device", "cpu", "--chunks", "16", "--rounds", "1"]
+    tiny_weights = ["--make-gib", "8", "--tiny", "--remove", "--rounds", "1"]
     return {
         "ipc": (["bench/ipc/run.py", "--quick", "--cases", "64x1", "--repeat", "1"], "kvshm"),
         "agent": (
@@ -87,6 +88,11 @@ def tiny_cpu_runs(directory: Path) -> dict[str, tuple[list[str], str]]:
         "warm_restart-gpu-flow": (
             ["bench/warm_restart/gpu.py", *warm_gpu_flow, *where],
             "fs / kvshm",
+        ),
+        # a tmpfs: no cold figure, but the whole flow on a model a thousandth of 8 GiB
+        "warm_restart-weights": (
+            ["bench/warm_restart/weights_digest.py", *tiny_weights, *where],
+            "sampled digest",
         ),
         # huge pages against 4 KiB ones (issue 35): a huge-page tmpfs mounted for the run
         "attach-pages": (
@@ -111,6 +117,7 @@ def tiny_cpu_runs(directory: Path) -> dict[str, tuple[list[str], str]]:
         "plugin-pages",
         "warm_restart",
         "warm_restart-gpu-flow",
+        "warm_restart-weights",
     ],
 )
 def test_each_cpu_benchmark_finishes_a_tiny_run_and_leaves_nothing(

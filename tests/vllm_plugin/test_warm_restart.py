@@ -4,6 +4,7 @@ mismatched identity that never produces a hit."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -12,7 +13,9 @@ import json
 import logging
 import os
 import random
+import subprocess
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +24,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvshm.region.locks import try_lock_byte
 from kvshm.region.naming import index_file_name
+from tests.agent.hostile import TENANT_UID
 from tests.sigkill import fork_and_kill
 from tests.vllm_plugin.engine import (
     BLOCKS_PER_CHUNK,
@@ -792,3 +797,241 @@ def test_a_tenants_damaged_index_harms_only_its_own_engine(
     finally:
         remove_region(SHM, other.engine_id)
         other.index.unlink(missing_ok=True)
+
+
+# -- an index the engine cannot use --------------------------------------------------------
+
+
+@contextlib.contextmanager
+def index_locked(index: Path) -> Iterator[None]:
+    """Another open file description holds the index's writer lock (the scheduler of an engine
+    still shutting down, or any process of the tenant's)."""
+    fd = os.open(index, os.O_RDWR)
+    try:
+        assert try_lock_byte(fd, 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def index_hard_linked(index: Path) -> Iterator[None]:
+    """A second name for the index (a backup made with hard links: cp -al, rsync
+    --link-dest), gone again after the engine."""
+    backup = index.with_name(index.name + ".backup")
+    os.link(index, backup)
+    try:
+        yield
+    finally:
+        backup.unlink()
+
+
+@contextlib.contextmanager
+def index_immutable(index: Path) -> Iterator[None]:
+    """The index can be neither opened for writing nor removed, by root either (chattr +i)."""
+    subprocess.run(["chattr", "+i", str(index)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(index)], check=True)
+
+
+UNUSABLE: dict[str, Callable[[Path], contextlib.AbstractContextManager[None]]] = {
+    "locked": index_locked,
+    "hard-linked": index_hard_linked,
+    "immutable": index_immutable,
+}
+NOT_REMOVABLE = {"immutable"}  # the index cannot be removed either
+
+
+def run_prompts(engine: ModelLessEngine, prompts: list[list[int]], prefix: str) -> None:
+    for start in range(0, len(prompts), 4):
+        for i, prompt in enumerate(prompts[start : start + 4]):
+            engine.add(f"{prefix}{start + i}", prompt)
+        engine.run()
+
+
+@pytest.mark.parametrize("cause", list(UNUSABLE))
+def test_an_engine_without_the_index_never_leaves_it_naming_rows_it_stored_over(
+    warm_engine: WarmEngine, region: str, cause: str
+) -> None:
+    """Engine A fills the tier and leaves an index; engine B cannot use the index (`cause`)
+    and serves other prompts; engine C, the index usable again, replays A's prompts. If B
+    stored over A's rows while A's records stayed valid, C would load another prompt's KV
+    into A's: B must remove the index before its first store, or store nothing."""
+    a = ModelLessEngine(warm_engine.copy(), kv_cache_config(GPU_BLOCKS))
+    try:
+        run_prompts(a, workload(), "a")
+        held = resident(a.manager)
+    finally:
+        a.shutdown()
+    assert len(held) == CHUNKS
+    with UNUSABLE[cause](warm_engine.index):
+        b = ModelLessEngine(warm_engine.copy(), kv_cache_config(GPU_BLOCKS))
+        try:
+            run_prompts(b, workload(seed=35), "b")
+            stored_by_b = resident(b.manager)
+            b_outcome = b.manager.warm_outcome
+        finally:
+            b.shutdown()
+    assert b_outcome.state == "cold" and "cannot be used" in b_outcome.reason, b_outcome
+    c = ModelLessEngine(warm_engine.copy(), kv_cache_config(GPU_BLOCKS))
+    try:
+        held_set = set(held)
+        replay = [p for p in reversed(workload()) if all(k in held_set for k in _keys_of(p))]
+        run_prompts(c, replay, "c")
+        assert c.wrong_blocks == 0, f"{c.wrong_blocks} blocks loaded with another prompt's KV"
+        if cause in NOT_REMOVABLE:
+            assert stored_by_b == [] and "stores nothing" in b_outcome.reason, b_outcome
+            assert c.manager.warm_outcome.chunks == CHUNKS  # A's chunks, intact
+            assert c.loaded_keys and c.checked_blocks > 0
+        else:
+            assert len(stored_by_b) == CHUNKS and "removed" in b_outcome.reason, b_outcome
+            assert c.manager.warm_outcome.state == "cold"  # a new index: nothing restored
+            assert not c.loaded_keys
+    finally:
+        c.shutdown()
+
+
+def index_short_on_a_full_tmpfs(index: Path) -> contextlib.AbstractContextManager[None]:
+    """The index cut short (its first page of records kept) on a tmpfs then filled: opening it
+    must size it again, and no page is left to give it."""
+    os.truncate(index, 2 * 4096)
+    return filled(index.parent)
+
+
+@contextlib.contextmanager
+def filled(directory: Path) -> Iterator[None]:
+    filler = directory / "filler"
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], check=False, capture_output=True
+    )
+    try:
+        yield
+    finally:
+        filler.unlink()
+
+
+@contextlib.contextmanager
+def index_of_another_uid(index: Path) -> Iterator[None]:
+    """The engine runs as the tenant's uid, owner of its directory; the index is root's, mode
+    0600 (an earlier engine of the region ran as root)."""
+    os.chown(index.parent, TENANT_UID, TENANT_UID)
+    yield
+
+
+UNUSABLE_BY_MANAGER: dict[str, Callable[[Path], contextlib.AbstractContextManager[None]]] = {
+    **UNUSABLE,
+    "short on a full tmpfs": index_short_on_a_full_tmpfs,
+    "of another uid": index_of_another_uid,
+}
+MANY_CHUNKS = 200  # records over several pages of the index
+
+
+def store_rows(manager: Any, keys: list[bytes], rows: Path) -> list[bytes]:
+    """Store keys as vLLM's scheduler and a worker do: prepare, the rows written, complete.
+    The keys actually stored."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    context = ReqContext(req_id="rows")
+    manager.on_new_request(context)
+    out = manager.prepare_store(keys, context)
+    with open(rows, "r+b") as f:
+        for key, slot in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+            f.seek(int(slot) * ROW)
+            f.write(row_pattern(key))
+    manager.complete_store(out.keys_to_store, context)
+    manager.on_request_finished(context)
+    manager.on_schedule_end(None)
+    return list(out.keys_to_store)
+
+
+def as_uid(uid: int, run: Callable[[], Any]) -> Any:
+    """run() in a forked process of `uid`; what it returns, as JSON."""
+    ours, theirs = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(ours)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(theirs, json.dumps(run()).encode())
+            code = 0
+        except BaseException:
+            os.write(theirs, traceback.format_exc().encode())
+        finally:
+            os._exit(code)
+    os.close(theirs)
+    with os.fdopen(ours, "rb") as replies:
+        reply = replies.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, reply.decode()
+    return json.loads(reply)
+
+
+@pytest.mark.parametrize("warm_restart", ["on", "off"])
+@pytest.mark.parametrize("cause", list(UNUSABLE_BY_MANAGER))
+def test_an_index_the_manager_cannot_use_is_removed_or_nothing_is_stored(
+    shm_dir: Path,
+    sha256_hashing: None,
+    request: pytest.FixtureRequest,
+    cause: str,
+    warm_restart: str,
+) -> None:
+    """Every way the index can be unusable, with warm restart on (the index is not adopted)
+    or off (its records are not invalidated): the engine's stores never leave a record valid
+    over a row they wrote."""
+    from kvshm.vllm.manager import STORES_OFF, KvshmOffloadingManager, WarmStart
+
+    directory = request.getfixturevalue("small_tmpfs") if "full" in cause else shm_dir
+    rows = shm_dir / "rows"
+    rows.write_bytes(bytes(MANY_CHUNKS * ROW))
+    first = warm_manager(directory, chunks=MANY_CHUNKS)
+    held = store_rows(first, [unit_key(i) for i in range(4)], rows)
+    first.shutdown()
+    index = directory / index_file_name("unit")
+
+    def unusable_engine() -> dict[str, Any]:
+        identity = {"test": "identity"} if warm_restart == "on" else None
+        warm = WarmStart(str(directory), "unit", identity, off_reason="warm restart is off")
+        manager = KvshmOffloadingManager(MANY_CHUNKS, warm=warm)
+        stored = store_rows(manager, [unit_key(100 + i) for i in range(4)], rows)
+        stats = manager.get_stats().data["data"]
+        manager.shutdown()
+        outcome = manager.warm_outcome
+        return {
+            "stored": len(stored),
+            "state": outcome.state,
+            "reason": outcome.reason,
+            "stores_off": stats[STORES_OFF][()],
+        }
+
+    with UNUSABLE_BY_MANAGER[cause](index):
+        if cause == "of another uid":
+            rows.chmod(0o666)
+            second = as_uid(TENANT_UID, unusable_engine)
+        else:
+            second = unusable_engine()
+    third = warm_manager(directory, chunks=MANY_CHUNKS)
+    lookup_all(third, held)
+    restored = resident(third)
+    data = rows.read_bytes()
+    for key in restored:
+        slot = third._policy.get(key).chunk_id
+        assert data[slot * ROW : (slot + 1) * ROW] == row_pattern(key), (
+            f"chunk {slot} is restored for a key whose row the unusable engine stored over"
+        )
+    third.shutdown()
+    assert second["state"] == "cold", second
+    unusable = "cannot be used" if warm_restart == "on" else "cannot be invalidated"
+    assert unusable in second["reason"], second
+    if cause in NOT_REMOVABLE:
+        assert second["stored"] == 0 and second["stores_off"] == 1.0, second
+        assert "stores nothing" in second["reason"], second
+        assert sorted(restored) == sorted(held)  # the first engine's chunks, intact
+    else:
+        assert second["stored"] == 4 and second["stores_off"] == 0.0, second
+        assert "it was removed" in second["reason"], second
+        assert restored == []

@@ -87,7 +87,7 @@ class WarmIndexState(StrEnum):
 
     WARM = "Warm"  # it started with the chunks the index named
     COLD = "Cold"  # it started empty (the reason says why)
-    ABSENT = "Absent"  # no index: no engine with warm restart on has started here yet
+    ABSENT = "Absent"  # no index: none started here yet, or the last removed one it could not use
     UNREADABLE = "Unreadable"  # an index the agent cannot read (the reason says why)
 
 

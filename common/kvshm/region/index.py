@@ -317,6 +317,31 @@ def read_outcome(dir_fd: int, instance_id: str, directory: str) -> IndexReading:
     )
 
 
+def remove_index(directory: str, instance_id: str) -> bool:
+    """Remove the name of region `instance_id`'s index in `directory`, whatever it is (never
+    following, opening or locking it), so that no later engine adopts its records: what an
+    engine that cannot use the index does before it writes the region. True if a file was
+    removed; False if none had the name (a directory there is left: no engine opens it as an
+    index). IndexUnavailable if the name stays (the directory cannot be opened or written)."""
+    name = index_file_name(instance_id)
+    path = os.path.join(directory, name)
+    try:
+        dir_fd = safefile.open_directory(directory)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise IndexUnavailable(f"{directory} cannot be opened ({exc.strerror})") from exc
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except (FileNotFoundError, IsADirectoryError):
+        return False
+    except OSError as exc:
+        raise IndexUnavailable(f"{path} cannot be removed ({exc.strerror})") from exc
+    finally:
+        os.close(dir_fd)
+    return True
+
+
 def _new_generation(previous: int) -> int:
     """A random 64-bit generation whose 32-bit halves are non-zero and unlike the previous
     one's: a word torn between 0, the old and the new generation then equals none of them."""

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvshm.region.index import FORMAT_VERSION, IdentityValue
 from kvshm.vllm.geometry import RegionGeometry
+from kvshm.vllm.weights import content_digest
 
 SHORT_VALUE = 96  # longer values are kept as their digest: the document must fit the header
 MAX_MODEL_FILES = 4096  # a model directory is looked at this far, no further
@@ -80,9 +81,10 @@ def _model_files(directory: Path) -> Iterator[os.DirEntry[str]]:
 
 
 def _file_fingerprint(entry: os.DirEntry[str]) -> list[object]:
-    """What identifies one file's content cheaply: in a Hugging Face cache snapshot the blob a
-    link points at (named by the content's sha256); a JSON file's digest; else size and
-    mtime."""
+    """What identifies one file's content at engine start: in a Hugging Face cache snapshot the
+    blob a link points at (named by the content's sha256); a JSON file's digest; else a digest
+    of its size, safetensors header and samples of every tensor (kvshm.vllm.weights). Never
+    its mtime: reproducible image builds give every file one."""
     if entry.is_symlink():
         target = os.readlink(entry.path)
         parent, blob = os.path.split(target)
@@ -94,7 +96,7 @@ def _file_fingerprint(entry: os.DirEntry[str]) -> list[object]:
     if entry.name.endswith(".json") and st.st_size <= MAX_JSON_BYTES:
         with open(entry.path, "rb") as f:
             return [entry.name, "sha256", hashlib.sha256(f.read()).hexdigest()]
-    return [entry.name, st.st_size, st.st_mtime_ns]
+    return [entry.name, "sampled", content_digest(entry.path)]
 
 
 def _directory_fingerprint(directory: Path) -> str | None:
@@ -136,9 +138,9 @@ def hub_cache_dirs(download_dir: str | None = None) -> list[Path]:
 
 def weights_fingerprint(model: str, revision: str | None, cache_dirs: list[Path]) -> str | None:
     """The identity of a model's weights: `hub:<commit>:<digest>` for a hub id found in the cache
-    (the blob names are the content's sha256), `dir:<digest>` for a local directory (names, sizes
-    and mtimes of the weight files, digests of the JSON files beside them), None when neither
-    finds weights (a name alone does not identify weights)."""
+    (the blob names are the content's sha256), `dir:<digest>` for a local directory (each weight
+    file's name and sampled content digest, digests of the JSON files beside them), None when
+    neither finds weights (a name alone does not identify weights)."""
     try:
         path = Path(model)
         if path.is_dir():

@@ -7,7 +7,9 @@ The index is written where vLLM's contract says a chunk changed: complete_store 
 workers reported the store), the policy's evict invalidates inside prepare_store (before the
 new store's job reaches a worker), reset_cache moves to a new generation, and each step's end
 writes the eviction order of the keys that moved. The manager restores at its first call: vLLM
-seeds its block hashing (init_none_hash) only after it has built the scheduler.
+seeds its block hashing (init_none_hash) only after it has built the scheduler. An index it
+cannot use is removed before its first store, or it stores nothing (R6): left in place, its
+records would name rows this engine's stores reuse.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvshm.region.index import (
     Outcome,
     RegionIndex,
     now,
+    remove_index,
 )
 from kvshm.region.naming import index_file_name
 from kvshm.vllm.identity import HashingNotReady, hash_identity
@@ -38,6 +41,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadingMetricMetadata,
     OffloadKey,
+    PrepareStoreOutput,
     ReqContext,
     ScheduleEndContext,
 )
@@ -51,6 +55,7 @@ log = logging.getLogger(__name__)
 RESTORED_CHUNKS = "kvshm_warm_index_restored_chunks"
 RESTORE_SECONDS = "kvshm_warm_index_restore_seconds"
 DROPPED = "kvshm_warm_index_dropped"
+STORES_OFF = "kvshm_warm_index_stores_off"
 # what a drop is counted by: an identity field's name, or one of these
 DROP_NEW, DROP_DAMAGED, DROP_UNAVAILABLE, DROP_OFF = "new", "damaged", "unavailable", "off"
 
@@ -75,6 +80,11 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             documentation="Warm-restart indexes this engine did not use, by reason: the "
             "identity field that differed, new, damaged, unavailable or off.",
             labelnames=("reason",),
+        ),
+        STORES_OFF: OffloadingGaugeMetadata(
+            documentation="1 when this engine's CPU tier stores nothing: the region's "
+            "warm-restart index could neither be used nor removed, and a later engine would "
+            "restore its records over rows this engine stored into."
         ),
     }
 
@@ -138,6 +148,8 @@ class KvshmOffloadingManager(CPUOffloadingManager):
         self._report = _WarmReport()
         self.warm_outcome: Outcome | None = None
         """What the first call made of the index (None before it, or without one)."""
+        self.stores_off = False
+        """The index could neither be used nor removed: prepare_store stores nothing."""
         self._journaled: JournaledPolicy | None = None
         if warm is None:
             return
@@ -160,12 +172,15 @@ class KvshmOffloadingManager(CPUOffloadingManager):
     # -- the first call ------------------------------------------------------------------
 
     def _first_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        if self._start(name):
-            for shadowed in _FIRST_CALLS:
-                # not through __dict__, which would materialize the instance's attribute dict
-                # and slow every attribute vLLM's methods read from then on
-                delattr(self, shadowed)
-        return getattr(type(self), name)(self, *args, **kwargs)
+        if not self._start(name):
+            return getattr(type(self), name)(self, *args, **kwargs)
+        for shadowed in _FIRST_CALLS:
+            # not through __dict__, which would materialize the instance's attribute dict
+            # and slow every attribute vLLM's methods read from then on
+            delattr(self, shadowed)
+        if self.stores_off:
+            self.prepare_store = self._store_nothing
+        return getattr(self, name)(*args, **kwargs)
 
     def _start(self, call: str) -> bool:
         """Adopt or drop the index; False to stay armed (a step ended before vLLM seeded its
@@ -195,7 +210,7 @@ class KvshmOffloadingManager(CPUOffloadingManager):
         try:
             index = RegionIndex.open(warm.directory, warm.instance_id, self._num_chunks)
         except (IndexUnavailable, FileNotFoundError) as exc:
-            self._drop(DROP_UNAVAILABLE, f"the index cannot be used: {exc}", started)
+            self._unindexed(DROP_UNAVAILABLE, f"the index cannot be used: {exc}", started)
             return True
         collecting = gc.isenabled()
         gc.disable()  # a restore makes a tuple or two a chunk: no full collection of vLLM's heap
@@ -260,16 +275,40 @@ class KvshmOffloadingManager(CPUOffloadingManager):
         except FileNotFoundError:
             index = None
         except IndexUnavailable as exc:
-            why = f"{why}; the index could not be invalidated ({exc})"
-            index = None
+            self._unindexed(reason, f"{why}; the index cannot be invalidated ({exc})", started)
+            return
         if index is not None:
             with index:
                 index.reset()
                 index.write_outcome(Outcome("cold", why, 0, now()))
         self._finish(Outcome("cold", why, 0, now()), [reason], started, write=False)
 
-    def _drop(self, reason: str, why: str, started: float) -> None:
+    def _unindexed(self, reason: str, why: str, started: float) -> None:
+        """Run without an index this engine cannot use, whose records must then name no row
+        it stores into: the index is removed before the first store, or nothing is stored."""
+        warm = self._warm
+        assert warm is not None
+        try:
+            removed = remove_index(warm.directory, warm.instance_id)
+        except IndexUnavailable as exc:
+            self.stores_off = True
+            why = (
+                f"{why}; nor can it be removed ({exc}), so this engine stores nothing in the "
+                f"region: a later engine would restore records naming rows it stored into"
+            )
+        else:
+            if removed:
+                why = f"{why}; it was removed, so no later engine restores what it named"
         self._finish(Outcome("cold", why, 0, now()), [reason], started, write=False)
+
+    def _store_nothing(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput:
+        """prepare_store while stores are off: no key is stored, nothing evicted (vLLM's
+        scheduler then moves on without a store job or a warning)."""
+        return PrepareStoreOutput(
+            keys_to_store=[], store_spec=self._get_load_store_spec([], []), evicted_keys=[]
+        )
 
     def _finish(
         self, outcome: Outcome, drops: list[str], started: float, *, write: bool = True
@@ -353,6 +392,7 @@ class KvshmOffloadingManager(CPUOffloadingManager):
             report.reported = True
             stats.set_gauge(RESTORED_CHUNKS, float(report.restored))
             stats.set_gauge(RESTORE_SECONDS, report.seconds)
+            stats.set_gauge(STORES_OFF, float(self.stores_off))
             for reason in report.drops:
                 stats.increase_counter(DROPPED, 1, (reason,))
         return stats
