@@ -1,15 +1,18 @@
-"""The metrics/health endpoint against idle and slow connections (issue 15, item 3)."""
+"""The metrics/health endpoint against idle and slow connections."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from kvshm.agent.server import AgentHttpServer, Health
+from kvshm.agent.server import Health, agent_routes
+from kvshm.endpoints import REQUEST_TIMEOUT_SECONDS, BoundedHttpServer
 from tests.agent.hostile import RunningAgent, tenant_manifest, tenant_process, write_regions
 from tests.waiting import wait_for
 
@@ -60,14 +63,27 @@ def test_200_idle_connections_hold_no_threads_and_healthz_answers(shm_dir: Path)
             attacker.wait()
 
 
-def test_a_slow_request_is_cut_off_and_the_oldest_idle_connection_makes_room() -> None:
+@contextlib.contextmanager
+def _endpoints(
+    max_connections: int, request_timeout: float = REQUEST_TIMEOUT_SECONDS
+) -> Iterator[BoundedHttpServer]:
+    """The agent's routes, always live, on a server the test starts; stopped afterwards."""
     health = Health(stale_after_seconds=60)
     health.passed()
-    server = AgentHttpServer(
-        "127.0.0.1", 0, CollectorRegistry(), health, max_connections=4, request_timeout=0.5
+    routes = agent_routes(CollectorRegistry(), health)
+    server = BoundedHttpServer(
+        "127.0.0.1", 0, routes, max_connections=max_connections, request_timeout=request_timeout
     )
-    server.start()
     try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_slow_request_is_cut_off_and_the_oldest_idle_connection_makes_room() -> None:
+    with _endpoints(max_connections=4, request_timeout=0.5) as server:
+        server.start()
         address = ("127.0.0.1", server.server_port)
         slow = socket.create_connection(address)
         slow.sendall(b"GET /heal")  # never finishes its request line
@@ -87,6 +103,3 @@ def test_a_slow_request_is_cut_off_and_the_oldest_idle_connection_makes_room() -
         assert oversized.recv(4096).startswith(b"HTTP/1.1 431")
         for each in (slow, oversized, *idle):
             each.close()
-    finally:
-        server.shutdown()
-        server.server_close()
