@@ -5,8 +5,11 @@ interfaces), so nothing a client does can hold the process's threads or descript
 serves every connection through a selector; a connection costs one descriptor and at most
 MAX_REQUEST_BYTES of buffer, must send its request within REQUEST_TIMEOUT_SECONDS and take its
 answer within RESPONSE_TIMEOUT_SECONDS, and gets one answer per connection (Connection: close).
-At most MAX_CONNECTIONS are open: a new one closes the longest-waiting one, so a kubelet probe
-always gets in, however many idle connections someone keeps opening.
+At most MAX_CONNECTIONS are open. A new connection at the cap first gets every request that has
+already arrived read and answered; then, of the peer address holding the most connections that
+have not sent a whole request, the longest-waiting one is closed (only when every connection is
+being answered, the oldest answer). So a flood closes its own connections, and a kubelet probe,
+which sends its request at once, is answered however fast someone opens silent connections.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def _response(reply: Reply) -> bytes:
 class _Connection:
     sock: socket.socket
     fd: int
+    peer: str  # the client's address, without its port
     received: bytearray = field(default_factory=bytearray)
     pending: memoryview | None = None  # the answer still to send, once the request is in
     deadline: float = 0.0
@@ -117,6 +121,8 @@ class BoundedHttpServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._open: dict[int, _Connection] = {}  # by descriptor, oldest first
+        # those that have not sent a whole request yet, by peer address, then as _open
+        self._awaiting_request: dict[str, dict[int, _Connection]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=thread_name, daemon=True)
         self.evicted = 0  # connections closed to make room (for tests and logs)
@@ -148,13 +154,16 @@ class BoundedHttpServer:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            self._handle(self._selector.select(_TICK_SECONDS))
+            self._handle(self._selector.select(_TICK_SECONDS), accepting=True)
             self._expire(time.monotonic())
 
-    def _handle(self, ready: Iterable[tuple[selectors.SelectorKey, int]]) -> None:
+    def _handle(
+        self, ready: Iterable[tuple[selectors.SelectorKey, int]], *, accepting: bool
+    ) -> None:
         for key, events in ready:
             if key.fileobj is self._listener:
-                self._accept()
+                if accepting:
+                    self._accept()
                 continue
             conn = self._open.get(key.fd)
             if conn is None or conn.sock is not key.fileobj:
@@ -171,20 +180,44 @@ class BoundedHttpServer:
     def _accept(self) -> None:
         for _ in range(self._max_connections):  # a bounded batch per round
             try:
-                sock, _ = self._listener.accept()
+                sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # EMFILE and friends: the next round tries again
                 log.warning("http: cannot accept a connection: %s", exc)
                 return
-            while len(self._open) >= self._max_connections:
-                self.evicted += 1
-                self._close(next(iter(self._open.values())))
+            if len(self._open) >= self._max_connections:
+                self._make_room()
             sock.setblocking(False)
             now = time.monotonic()
-            conn = _Connection(sock, sock.fileno(), deadline=now + self._request_timeout)
+            conn = _Connection(
+                sock, sock.fileno(), address[0], deadline=now + self._request_timeout
+            )
             self._open[conn.fd] = conn
+            self._awaiting_request.setdefault(conn.peer, {})[conn.fd] = conn
             self._selector.register(sock, selectors.EVENT_READ)
+
+    def _make_room(self) -> None:
+        # requests already in are answered (and their connections freed) before anyone is closed
+        self._handle(self._selector.select(0), accepting=False)
+        while len(self._open) >= self._max_connections:
+            self.evicted += 1
+            self._close(self._eviction_victim())
+
+    def _eviction_victim(self) -> _Connection:
+        if not self._awaiting_request:  # every connection is being answered
+            return next(iter(self._open.values()))
+        # the peer with the most (of two with as many, the one that has waited longest)
+        flooding = max(
+            self._awaiting_request.values(),
+            key=lambda waiting: (len(waiting), -next(iter(waiting.values())).deadline),
+        )
+        return next(iter(flooding.values()))
+
+    def _forget_awaiting(self, conn: _Connection) -> None:
+        waiting = self._awaiting_request.get(conn.peer)
+        if waiting is not None and waiting.pop(conn.fd, None) is not None and not waiting:
+            del self._awaiting_request[conn.peer]
 
     def _read(self, conn: _Connection) -> None:
         try:
@@ -220,6 +253,7 @@ class BoundedHttpServer:
         return reply
 
     def _answer(self, conn: _Connection, reply: bytes) -> None:
+        self._forget_awaiting(conn)
         conn.pending = memoryview(reply)
         conn.deadline = time.monotonic() + self._response_timeout
         self._selector.modify(conn.sock, selectors.EVENT_WRITE)
@@ -247,6 +281,7 @@ class BoundedHttpServer:
             self._close(conn)
 
     def _close(self, conn: _Connection) -> None:
+        self._forget_awaiting(conn)
         if self._open.get(conn.fd) is conn:
             del self._open[conn.fd]
         with contextlib.suppress(KeyError, ValueError):
