@@ -20,7 +20,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY constraints/runtime.txt ./constraints/runtime.txt
 # the source roots the agent and operator run (docs/ARCHITECTURE.md, Components): agent/,
-# operator/, common/ (api, region, ipc) and cli/ (the `kvshm` command); not serving/ (transfer and
+# operator/, common/ (api, endpoints, region, ipc) and cli/ (the `kvshm` command); not serving/ (transfer and
 # the vLLM plugin, which need torch)
 COPY agent ./agent
 COPY common ./common

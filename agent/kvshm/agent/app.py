@@ -21,9 +21,10 @@ from kvshm.agent.metrics import AgentMetrics
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.rootpages import describe_pages, is_huge, missing_huge_pages
 from kvshm.agent.saferoot import RegionRoot
-from kvshm.agent.server import AgentHttpServer, Health, serve
+from kvshm.agent.server import Health, serve
 from kvshm.agent.version import agent_version
 from kvshm.api import NodeRegionPhase
+from kvshm.endpoints import BoundedHttpServer
 from kvshm.region import RegionError
 
 
@@ -39,7 +40,7 @@ class AgentApp:
     reconciler: NodeReconciler
     events: IsolatedEventQueues
     loop: AgentLoop
-    server: AgentHttpServer | None
+    server: BoundedHttpServer | None
     warnings: tuple[str, ...] = ()  # to log once the banner is out (the root's pages)
 
     def banner(self) -> str:

@@ -1,4 +1,5 @@
-"""The operator's Prometheus metrics (names as in docs/metrics.md), in a registry of its own.
+"""The operator's Prometheus metrics (names as in docs/metrics.md), in a registry of its own,
+served on /metrics by kvshm.endpoints' bounded server (the agent's, with the same limits).
 
 A dedicated registry keeps kopf's or a test process's other collectors out of /metrics, and
 lets several in-process operator runs (tests) read their own numbers.
@@ -12,9 +13,10 @@ from functools import wraps
 from typing import ParamSpec, TypeVar
 
 import kopf
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvshm.api import ReclaimOutcome, RegionPhase
+from kvshm.endpoints import BoundedHttpServer, metrics_route, serve
 from kvshm.operator.orphans import OrphanDecision, Refusal
 
 REGISTRY = CollectorRegistry()
@@ -166,15 +168,18 @@ def instrumented(
     return decorate
 
 
-_served_port: int | None = None
+_served: BoundedHttpServer | None = None
 
 
-def serve_once(port: int, address: str = "0.0.0.0") -> None:
-    """Expose /metrics on port (0: do not serve); a restarted operator in one process reuses it."""
-    global _served_port
-    if port and _served_port is None:
-        start_http_server(port, addr=address, registry=REGISTRY)
-        _served_port = port
+def serve_once(port: int, address: str = "0.0.0.0") -> BoundedHttpServer | None:
+    """Serve /metrics on port (0: do not serve); a restarted operator in one process reuses the
+    first server."""
+    global _served
+    if port and _served is None:
+        _served = serve(
+            address, port, {"/metrics": metrics_route(REGISTRY)}, thread_name="kvshm-operator-http"
+        )
+    return _served
 
 
 def sample(name: str, labels: Mapping[str, str] | None = None) -> float:
