@@ -1,6 +1,8 @@
 """What the chart renders to keep tenants apart: the tenants' ValidatingAdmissionPolicy (where
-the API server serves one, in the version it serves). What the policy admits and refuses is
-shown on a real API server (tests/node/test_tenant_policy.py)."""
+the API server serves one, in the version it serves) and the NetworkPolicies of the agent's and
+operator's ports. What the policy admits and refuses is shown on a real API server
+(tests/node/test_tenant_policy.py); no network plugin here enforces a NetworkPolicy (docs/deploy.md,
+"Metrics and the network"), so what these admit is checked against the pods as rendered."""
 
 from __future__ import annotations
 
@@ -127,3 +129,91 @@ def test_an_empty_namespace_selector_is_refused_saying_why() -> None:
     )  # fmt: skip
     assert result.returncode != 0
     assert "tenantPolicy.namespaceSelector is empty" in result.stderr, result.stderr
+
+
+# -- NetworkPolicies -------------------------------------------------------------------------
+
+
+def _pods_by_component(objects: tuple[dict[str, Any], ...]) -> dict[str, dict[str, Any]]:
+    """component -> the pod template (or pod) of the agent, the operator and helm test."""
+    pods = {}
+    for obj in objects:
+        if obj["kind"] in ("DaemonSet", "Deployment", "Pod"):
+            template = obj if obj["kind"] == "Pod" else obj["spec"]["template"]
+            pods[template["metadata"]["labels"]["app.kubernetes.io/component"]] = template
+    return pods
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # the chart's selectors use no expressions
+    return bool(selector["matchLabels"].items() <= labels.items())
+
+
+def _admitted(policy: dict[str, Any], port: int, pod_labels: dict[str, str], namespace: str,
+              namespace_labels: dict[str, str]) -> bool:  # fmt: skip
+    """Whether the NetworkPolicy admits a pod so labelled, in a namespace so labelled, to port."""
+    for rule in policy["spec"]["ingress"]:
+        if port not in [p["port"] for p in rule["ports"]]:
+            continue
+        for peer in rule["from"]:
+            if "ipBlock" in peer:
+                continue
+            in_namespace = (
+                _selects(peer["namespaceSelector"], namespace_labels)
+                if "namespaceSelector" in peer
+                else namespace == "kvshm-system"
+            )
+            if in_namespace and _selects(peer.get("podSelector", {"matchLabels": {}}), pod_labels):
+                return True
+    return False
+
+
+def test_each_component_port_admits_prometheus_and_helm_test_only() -> None:
+    objects = render()
+    pods = _pods_by_component(objects)
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    monitoring = {"kubernetes.io/metadata.name": "monitoring"}
+    tenant = {"kubernetes.io/metadata.name": "serving", "kvshm.dev/tenant": "true"}
+    test_pod = pods["test"]["metadata"]["labels"]
+    for component in ("agent", "operator"):
+        policy = find(objects, "NetworkPolicy", f"-{component}")
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert _selects(policy["spec"]["podSelector"], pods[component]["metadata"]["labels"])
+        ports = {
+            port["name"]: port["containerPort"]
+            for container in pods[component]["spec"]["containers"]
+            for port in container.get("ports", [])
+        }
+        assert {p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]} == set(
+            ports.values()
+        )
+        for name, port in ports.items():
+            assert _admitted(policy, port, test_pod, "kvshm-system", {}), (component, name)
+            # a tenant's pod that calls itself Prometheus is not Prometheus
+            assert not _admitted(policy, port, prometheus, "serving", tenant), (component, name)
+            assert not _admitted(policy, port, {}, "kvshm-system", {}), (component, name)
+            scraped = name == "metrics"
+            assert _admitted(policy, port, prometheus, "monitoring", monitoring) == scraped
+
+
+def test_no_rule_admits_everyone_even_with_no_scrapers() -> None:
+    """An empty `from` admits every source: helm test's pod is always in it."""
+    sets = ("networkPolicy.metricsFrom=[]", "tests.enabled=false")
+    for policy in (o for o in render(sets=sets) if o["kind"] == "NetworkPolicy"):
+        assert all(rule.get("from") for rule in policy["spec"]["ingress"]), policy
+
+
+def test_the_default_scrapers_are_confined_to_a_namespace() -> None:
+    for peer in find(render(), "NetworkPolicy", "-agent")["spec"]["ingress"][0]["from"]:
+        assert "namespaceSelector" not in peer or peer["namespaceSelector"]["matchLabels"]
+
+
+def test_the_network_policies_are_off_with_their_value() -> None:
+    objects = render(sets=("networkPolicy.enabled=false",))
+    assert [o for o in objects if o["kind"] == "NetworkPolicy"] == []
+
+
+def test_neither_component_uses_the_host_network() -> None:
+    """A NetworkPolicy does not apply to a pod on the host network."""
+    pods = _pods_by_component(render())
+    assert not any(pods[c]["spec"].get("hostNetwork") for c in ("agent", "operator"))
