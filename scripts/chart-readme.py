@@ -59,6 +59,7 @@ def values_rows(text: str) -> list[tuple[str, str, str]]:
     rows: list[tuple[str, str, str]] = []
     stack: list[tuple[int, str]] = []
     comment: list[str] = []
+    item_indent: int | None = None  # the indent of a block list's "- ", while inside its item
     for line in text.splitlines():
         stripped = line.strip()
         if not stripped:
@@ -67,6 +68,14 @@ def values_rows(text: str) -> list[tuple[str, str, str]]:
         if stripped.startswith("#"):
             comment.append(stripped.lstrip("#").strip())
             continue
+        indent = len(line) - len(line.lstrip(" "))
+        if stripped.startswith("- ") or (item_indent is not None and indent > item_indent):
+            # an item of a block list, keys of its maps included: part of the list's default
+            if stripped.startswith("- "):
+                item_indent = indent
+            comment = []
+            continue
+        item_indent = None
         match = KEY.match(line)
         if match is None:  # a line of a block list or a continued value
             comment = []

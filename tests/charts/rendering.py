@@ -41,12 +41,16 @@ def render(
     monitoring: bool = True,
     sets: tuple[str, ...] = (),
     include_crds: bool = False,
+    api_versions: tuple[str, ...] = (),
 ) -> tuple[dict[str, Any], ...]:
-    """Every object of `helm template` (hooks and test pods included)."""
+    """Every object of `helm template` (hooks and test pods included); api_versions: more APIs
+    the cluster serves (group/version/Kind), as `helm install` finds them."""
     args = [tool("helm"), "template", "kvshm", str(CHART), "--namespace", "kvshm-system"]
     args += helm_args(values, sets)
     if monitoring:
         args += ["--api-versions", MONITORING_API]
+    for api in api_versions:
+        args += ["--api-versions", api]
     if include_crds:
         args.append("--include-crds")
     result = run(*args)

@@ -349,3 +349,18 @@ def test_the_notes_warn_of_taints_the_agent_does_not_tolerate(
         warned = "WARNING: 2 node(s) matching agent.nodeSelector carry the taint nvidia.com/gpu"
         assert (warned in output) == (case == "defaults"), output[output.find("NOTES") :]
         assert "KVSHM_INSTANCE_ID" not in output
+
+
+def test_the_notes_warn_where_no_tenant_policy_can_be_created(
+    envtest: EnvTest, envtest_namespace: str, tmp_path: Path
+) -> None:
+    """This API server (1.28, feature gate off) serves no ValidatingAdmissionPolicy: the chart
+    renders no tenant policy, and helm install says that nothing confines the tenants."""
+    warned = "WARNING: no tenant policy was created"
+    for enabled in (True, False):
+        output = helm(
+            envtest, tmp_path, "install", f"tenants-{str(enabled).lower()}", str(CHART),
+            "-n", envtest_namespace, "--dry-run=server", f"--set=tenantPolicy.enabled={enabled}",
+        )  # fmt: skip
+        assert "kind: ValidatingAdmissionPolicy" not in output
+        assert (warned in output) == enabled, output[output.find("NOTES") :]

@@ -47,6 +47,9 @@ def test_there_is_an_example_for_gpu_and_for_kind_clusters() -> None:
         ("fullnameOverride=kv_shm", "fullnameOverride"),
         ("agent.resources.requests.memory=1.2.3", "agent.resources.requests.memory"),
         ("operator.resources.limits.cpu=2 cores", "operator.resources.limits.cpu"),
+        ("tenantPolicy.validationActions={Allow}", "validationActions"),
+        ("tenantPolicy.namespaceSelector.matchLabels=null", "namespaceSelector"),  # selects all
+        ("networkPolicy.metricsFrom[0].podSelectr.app=prometheus", "podSelectr"),
     ],
 )
 def test_values_schema_rejects_bad_values_naming_them(bad: str, complaint: str) -> None:

@@ -56,6 +56,11 @@ START_TIMEOUT = 120.0
 # low thresholds: this machine's disk is often busy with other work's files
 EVICTION_HARD = {"nodefs.available": "1%", "imagefs.available": "1%", "memory.available": "100Mi"}
 READY_TIMEOUT = 180.0
+# ValidatingAdmissionPolicy is beta and off by default in Kubernetes 1.28: on here, as a cluster
+# administrator turns it on, so the chart's tenant policy renders and applies (the controller
+# manager's gate runs its type checking)
+ADMISSION_POLICY_GATE = "--feature-gates=ValidatingAdmissionPolicy=true"
+ADMISSION_POLICY_API = "--runtime-config=admissionregistration.k8s.io/v1beta1=true"
 
 
 class NodeError(RuntimeError):
@@ -324,6 +329,8 @@ class Node:
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--allow-privileged=true",
                 "--kubelet-preferred-address-types=InternalIP",
+                ADMISSION_POLICY_GATE,
+                ADMISSION_POLICY_API,
                 # the audit log counts each component's writes (tests read it)
                 f"--audit-log-path={self.workdir / 'logs' / 'audit.log'}",
                 f"--audit-policy-file={self._audit_policy()}",
@@ -364,6 +371,7 @@ class Node:
                 "--use-service-account-credentials=true",
                 "--leader-elect=false",
                 "--controllers=*,-nodeipam,-cloud-node-lifecycle",
+                ADMISSION_POLICY_GATE,
                 "--bind-address=127.0.0.1",
                 f"--cluster-cidr={CLUSTER_CIDR}",
             ],

@@ -87,6 +87,18 @@ true
 {{- end -}}
 
 {{/*
+The version of admissionregistration.k8s.io that serves ValidatingAdmissionPolicy here: v1
+(Kubernetes 1.30+), v1beta1 (1.28 and 1.29 where the API server enables it), or "" (none).
+*/}}
+{{- define "kvshm.admissionPolicyVersion" -}}
+{{- if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" -}}
+v1
+{{- else if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1beta1/ValidatingAdmissionPolicy" -}}
+v1beta1
+{{- end -}}
+{{- end -}}
+
+{{/*
 The container securityContext shared by every kvshm container: no privilege escalation, read-only
 root filesystem, RuntimeDefault seccomp, every capability dropped except those listed.
 Call with (dict "add" (list ...) "root" bool).
