@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from tests.charts.tools import CHART, run, tool
+from tests.envtest.chart import load_documents
 
 MONITORING_API = "monitoring.coreos.com/v1"
 # every values file a user is pointed at: the defaults and the examples in ci/
@@ -42,7 +43,8 @@ def render(
     sets: tuple[str, ...] = (),
     include_crds: bool = False,
 ) -> tuple[dict[str, Any], ...]:
-    """Every object of `helm template` (hooks and test pods included)."""
+    """Every object of `helm template` (hooks and test pods included; a List's items in its
+    place)."""
     args = [tool("helm"), "template", "kvshm", str(CHART), "--namespace", "kvshm-system"]
     args += helm_args(values, sets)
     if monitoring:
@@ -51,7 +53,7 @@ def render(
         args.append("--include-crds")
     result = run(*args)
     assert result.returncode == 0, f"helm template failed:\n{result.stderr}"
-    return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+    return tuple(load_documents(result.stdout))
 
 
 def find(objects: tuple[dict[str, Any], ...], kind: str, name_suffix: str = "") -> dict[str, Any]:
