@@ -120,6 +120,13 @@ def make_reconciler(
     )
 
 
+def stop_agent(reconciler: NodeReconciler) -> None:
+    """What the agent process's exit does: its mappings, mlocks and flocks go, the files stay."""
+    reconciler.wait_idle(30)
+    for hosted in reconciler.hosted_regions().values():
+        hosted.release()
+
+
 def settle(reconciler: NodeReconciler, cluster: ClusterView, passes: int = 50) -> PassResult:
     """Pass until nothing is in progress (opening threads joined between passes)."""
     result = reconciler.reconcile(cluster)
