@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kvshm.api import NodeRegionPhase
-from tests.agent.builders import make_reconciler, settle, stop_agent, view
+from tests.agent.builders import holding, make_reconciler, settle, stop_agent, view
 from tests.agent.test_segmented_regions import FILE_0, FILE_1, files, segmented
 
 # What such a sweep does with each file its pattern matches, in a process of its own: removed
@@ -65,3 +65,20 @@ def test_what_the_agent_no_longer_hosts_is_not_held(shm_dir: Path) -> None:
     settle(reconciler, view(segmented()))
     stop_agent(reconciler)
     assert sweep(root / "ns1" / "seg") == [f"removed {FILE_0}", f"removed {FILE_1}"]
+
+
+def test_a_file_locked_exclusively_by_another_process_fails_the_attempt_until_let_go(
+    shm_dir: Path,
+) -> None:
+    """A tenant (or a sweep between its lock and its unlink) holding a later file exclusively:
+    the agent cannot hold it, so the attempt fails naming the file; once let go, one succeeds."""
+    root = shm_dir / "root"
+    first = make_reconciler(root)
+    settle(first, view(segmented()))
+    stop_agent(first)
+    with holding(root / "ns1" / "seg" / FILE_1, "exclusive"):
+        report = settle(make_reconciler(root), view(segmented())).reports["ns1/seg"]
+        assert report.phase is NodeRegionPhase.FAILED, report
+        assert f"{FILE_1}" in report.message and "locked exclusively" in report.message
+    again = settle(make_reconciler(root), view(segmented())).reports["ns1/seg"]
+    assert again.phase is NodeRegionPhase.READY, again
