@@ -36,9 +36,11 @@ import errno
 import itertools
 import os
 import re
+import stat
 import sys
 from collections.abc import Sequence
 
+from kvshm.agent import dirwalk
 from kvshm.agent.rootfs import TMPFS_MAGIC, Mount, filesystem_magic, mount_at
 from kvshm.agent.rootpages import describe_pages, is_huge, probe_pages
 from kvshm.agent.sizes import format_bytes
@@ -144,34 +146,20 @@ def _subdirectory(dir_fd: int, name: str) -> int:
     return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
 
 
-def _not_empty_directories(dir_fd: int, device: int, prefix: str, depth: int) -> list[str]:
-    """What under dir_fd is anything but an empty directory (or a tree of them) on `device`,
-    each named with why; the walk never follows a symlink nor crosses a mount."""
-    found: list[str] = []
-    with os.scandir(dir_fd) as entries:
-        for seen, entry in enumerate(entries, 1):
-            name = prefix + entry.name
-            if seen > MAX_LEFTOVER_ENTRIES:
-                return [*found, f"{prefix or './'} (more than {MAX_LEFTOVER_ENTRIES} entries)"]
-            if entry.is_symlink():
-                found.append(f"{name} (a symlink)")
-            elif not entry.is_dir(follow_symlinks=False):
-                found.append(f"{name} (a file)")
-            elif depth >= MAX_LEFTOVER_DEPTH:
-                found.append(f"{name}/ (deeper than {MAX_LEFTOVER_DEPTH} levels)")
-            else:
-                try:
-                    child = _subdirectory(dir_fd, entry.name)
-                except OSError as exc:
-                    found.append(f"{name}/ ({exc.strerror})")
-                    continue
-                try:
-                    if os.fstat(child).st_dev != device:
-                        found.append(f"{name}/ (a mount point)")
-                    else:
-                        found += _not_empty_directories(child, device, name + "/", depth + 1)
-                finally:
-                    os.close(child)
+def _not_empty_directories(dir_fd: int) -> list[str]:
+    """What under dir_fd is anything but an empty directory (or a tree of them) on its
+    filesystem, each named with why."""
+    walked = dirwalk.walk(dir_fd, MAX_LEFTOVER_ENTRIES, MAX_LEFTOVER_DEPTH)
+    found = []
+    for entry in walked.entries:
+        if stat.S_ISLNK(entry.stat.st_mode):
+            found.append(f"{entry.path} (a symlink)")
+        elif not stat.S_ISDIR(entry.stat.st_mode):
+            found.append(f"{entry.path} (a file)")
+        elif entry.not_entered:
+            found.append(f"{entry.path}/ ({entry.not_entered})")
+    if not walked.complete:
+        found.append(f"more than {MAX_LEFTOVER_ENTRIES} entries")
     return found
 
 
@@ -197,7 +185,7 @@ def _listed(entries: list[str]) -> str:
 
 def _clear_for_mount(fd: int, root: str) -> str | None:
     """Remove the empty directories the root holds; why it cannot be mounted over, if not."""
-    in_the_way = _not_empty_directories(fd, os.fstat(fd).st_dev, "", 0)
+    in_the_way = _not_empty_directories(fd)
     if not in_the_way:
         try:
             _remove_empty_directories(fd, 0)
