@@ -120,6 +120,13 @@ def make_reconciler(
     )
 
 
+def stop_agent(reconciler: NodeReconciler) -> None:
+    """What the agent process's exit does: its mappings, mlocks and flocks go, the files stay."""
+    reconciler.wait_idle(30)
+    for hosted in reconciler.hosted_regions().values():
+        hosted.release()
+
+
 def settle(reconciler: NodeReconciler, cluster: ClusterView, passes: int = 50) -> PassResult:
     """Pass until nothing is in progress (opening threads joined between passes)."""
     result = reconciler.reconcile(cluster)
@@ -134,10 +141,10 @@ def settle(reconciler: NodeReconciler, cluster: ClusterView, passes: int = 50) -
 _HOLDER = """
 import fcntl, mmap, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR)
-if sys.argv[2] == "flock":
-    fcntl.flock(fd, fcntl.LOCK_SH)
+if sys.argv[2] in ("flock", "exclusive"):
+    fcntl.flock(fd, fcntl.LOCK_EX if sys.argv[2] == "exclusive" else fcntl.LOCK_SH)
 m = mmap.mmap(fd, 0)
-if sys.argv[2] != "flock":
+if sys.argv[2] == "map":
     os.close(fd)  # mapped only, as vLLM's own code leaves it after attaching
 print("holding", flush=True)
 time.sleep(60)
@@ -161,8 +168,9 @@ def _holder(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
 def holding(
     path: Path, how: str = "flock"
 ) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
-    """Another process maps the file: with a shared flock like kvshm attachers ("flock"), or
-    mapped only, with no flock and no open descriptor ("map")."""
+    """Another process maps the file: with a shared flock like kvshm attachers ("flock"), with
+    an exclusive one ("exclusive"), or mapped only, with no flock and no open descriptor
+    ("map")."""
     return _holder(_HOLDER, str(path), how)
 
 

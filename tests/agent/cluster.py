@@ -18,6 +18,7 @@ import kubernetes
 from kvshm.agent.app import AgentApp, build_app
 from kvshm.agent.cli import parse_config
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
+from tests.agent.builders import stop_agent
 from tests.operator.harness import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,9 +54,7 @@ def running_agent(kubeconfig: Path, node: str, root: Path, *extra: str) -> Itera
         stop.set()
         app.loop.wakeup()
         thread.join(30)
-        app.reconciler.wait_idle(30)
-        for hosted in app.reconciler.hosted_regions().values():
-            hosted.release()  # what process exit does; the files stay
+        stop_agent(app.reconciler)
         app.root.close()
 
 

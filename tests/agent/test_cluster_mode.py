@@ -62,14 +62,11 @@ def test_create_to_ready_with_progress_events_and_inventory(
         assert all(set(s.get("nodes") or {}) <= {NODE} for s in history)
         reasons = [e["reason"] for e in cluster.all_events()]
         assert EventReason.CREATED.value in reasons and EventReason.READY.value in reasons
-        # while populating, the agent's own populate holds the file; once Ready nothing does
+        # the agent holds the files of a region it hosts (a shared flock): held, never an orphan
         inventory = wait_for(
-            lambda: [
-                f for f in cluster.node_status_of(NODE).get("files") or [] if f["held"] is False
-            ],
-            10,
-            "the file, not held, in the inventory",
+            lambda: cluster.node_status_of(NODE).get("files"), 10, "the file in the inventory"
         )
+        assert inventory[0]["held"] is True and "orphanedSince" not in inventory[0]
         assert inventory[0]["path"] == f"{namespace}/llm/vllm_offload_llm.mmap"
         assert inventory[0]["claimedBy"] == f"{namespace}/llm"
         node = cluster.node_status_of(NODE)

@@ -8,6 +8,8 @@ import stat
 import time
 from pathlib import Path
 
+import pytest
+
 from kvshm.agent.reports import EventReason, PassResult
 from kvshm.api import NodeRegionPhase
 from tests.agent.builders import (
@@ -59,8 +61,11 @@ def test_create_populates_locks_and_reports_ready(shm_dir: Path) -> None:
     assert (directory.st_uid, directory.st_gid) == (1234, 5678)
     assert stat.S_IMODE(directory.st_mode) == 0o770  # search bits where the file grants access
     assert stat.S_IMODE((root / "ns1").stat().st_mode) == 0o711
-    # the agent's own mapping holds no flock: anyone else can take the file exclusively
+    # the agent holds a shared flock while it hosts the region: attachers take one beside it,
+    # and no one can take the file exclusively (to remove it) meanwhile
     with open(path, "rb") as probe:
+        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    with open(path, "rb") as probe, pytest.raises(BlockingIOError):
         fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
     # a pass with nothing to do changes nothing and says nothing
     again = reconciler.reconcile(view(r1))

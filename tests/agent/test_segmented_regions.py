@@ -11,9 +11,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvshm.agent.reports import EventReason
 from kvshm.api import NodeRegionPhase, OffloadRegion, ReclaimOutcome
-from tests.agent.builders import MIB, holding, make_reconciler, reclaim, region, settle, view
+from tests.agent.builders import (
+    MIB,
+    holding,
+    make_reconciler,
+    reclaim,
+    region,
+    settle,
+    stop_agent,
+    view,
+)
 
 ROW = 256 * MIB
 SIZE = 9 * ROW  # 2.25 GiB: vLLM 0.33 makes 2 files, of 5 rows and of 4 rows
@@ -41,8 +52,11 @@ def inodes(root: Path) -> list[int]:
 
 
 def ready(root: Path, **spec: Any) -> None:
-    result = settle(make_reconciler(root), view(segmented(**spec)))
+    """The region made Ready by an agent that then stopped."""
+    reconciler = make_reconciler(root)
+    result = settle(reconciler, view(segmented(**spec)))
     assert result.reports["ns1/seg"].phase is NodeRegionPhase.READY
+    stop_agent(reconciler)
 
 
 def test_every_file_is_created_with_its_size_owner_and_mode_and_reported(shm_dir: Path) -> None:
@@ -59,8 +73,10 @@ def test_every_file_is_created_with_its_size_owner_and_mode_and_reported(shm_dir
         st = (root / "ns1" / "seg" / name).stat()
         assert st.st_size == size
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1234, 5678, 0o640)
-        with open(root / "ns1" / "seg" / name, "rb") as probe:  # the agent holds no flock
-            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with open(root / "ns1" / "seg" / name, "rb") as probe:  # the agent holds a shared flock
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
     scan = make_reconciler(root).reconcile(view(r)).root_scan  # scanned as a pass starts
     assert scan is not None
     inventory = scan.inventory

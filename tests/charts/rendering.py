@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from tests.charts.tools import CHART, run, tool
+from tests.envtest.chart import load_documents
 
 MONITORING_API = "monitoring.coreos.com/v1"
 # every values file a user is pointed at: the defaults and the examples in ci/
@@ -43,8 +44,9 @@ def render(
     include_crds: bool = False,
     api_versions: tuple[str, ...] = (),
 ) -> tuple[dict[str, Any], ...]:
-    """Every object of `helm template` (hooks and test pods included); api_versions: more APIs
-    the cluster serves (group/version/Kind), as `helm install` finds them."""
+    """Every object of `helm template` (hooks and test pods included; a List's items in its
+    place); api_versions: more APIs the cluster serves (group/version/Kind), as `helm install`
+    finds them."""
     args = [tool("helm"), "template", "kvshm", str(CHART), "--namespace", "kvshm-system"]
     args += helm_args(values, sets)
     if monitoring:
@@ -55,7 +57,7 @@ def render(
         args.append("--include-crds")
     result = run(*args)
     assert result.returncode == 0, f"helm template failed:\n{result.stderr}"
-    return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+    return tuple(load_documents(result.stdout))
 
 
 def find(objects: tuple[dict[str, Any], ...], kind: str, name_suffix: str = "") -> dict[str, Any]:

@@ -14,7 +14,7 @@ import yaml
 from kvshm.api import GROUP, NODE_KIND, NODE_PLURAL, REGION_KIND, REGION_PLURAL, VERSION
 from tests.charts.rendering import find, load_yaml_documents, render
 from tests.charts.test_kubernetes_schemas import validate_builtin
-from tests.charts.tools import CHART, REPO
+from tests.charts.tools import CHART, REPO, run, tool
 from tests.envtest.chart import ensure_namespace
 
 CRD_FILES = sorted((CHART / "crds").glob("*.yaml"))
@@ -36,6 +36,28 @@ def test_crd_upgrade_hook_carries_every_crd() -> None:
     shipped = {path.name: load_yaml_documents(path) for path in CRD_FILES}
     carried = {key: list(yaml.safe_load_all(text)) for key, text in configmap["data"].items()}
     assert carried == shipped
+
+
+def test_the_crd_upgrade_hook_is_one_hook_deleted_however_it_ends() -> None:
+    """One hook document, a List: Helm deletes, by its delete policy, the hook that succeeded or
+    failed, so its RBAC goes with its Job; every item carries the same policy for tools that
+    unwrap the List."""
+    template = "templates/crd-upgrade-job.yaml"
+    result = run(tool("helm"), "template", "kvshm", str(CHART), "--show-only", template)
+    assert result.returncode == 0, result.stderr
+    [hook] = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert hook["kind"] == "List"
+    policy = {"before-hook-creation", "hook-succeeded", "hook-failed"}
+    annotations = hook["metadata"]["annotations"]
+    assert annotations["helm.sh/hook"] == "pre-upgrade"
+    assert set(annotations["helm.sh/hook-delete-policy"].split(",")) == policy
+    # Helm creates them in this order, a kind once the one before it exists
+    kinds = [item["kind"] for item in hook["items"]]
+    assert kinds == ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Job"]
+    for item in hook["items"]:
+        item_annotations = item["metadata"]["annotations"]
+        assert item_annotations["helm.sh/hook"] == "pre-upgrade", item["kind"]
+        assert set(item_annotations["helm.sh/hook-delete-policy"].split(",")) == policy
 
 
 def _example_custom_resources() -> list[tuple[str, dict[str, Any]]]:

@@ -9,8 +9,10 @@ changed; the server may only add its defaults)."""
 from __future__ import annotations
 
 import secrets
+import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -99,17 +101,20 @@ def _served(admin: kubernetes.client.ApiClient) -> set[str]:
     return {resource.name for resource in answer.resources}
 
 
-def helm(envtest: EnvTest, home: Path, *args: str) -> str:
-    """helm as the admin, with caches and config of its own; fails the test on an error."""
+def helm_command(envtest: EnvTest, home: Path, *args: str) -> list[str]:
+    """The command line of helm as the admin, with caches and config of its own."""
     kubeconfig = envtest.write_kubeconfig(home / "admin.kubeconfig")
     env_args = [
         f"HELM_CACHE_HOME={home / 'cache'}",
         f"HELM_CONFIG_HOME={home / 'config'}",
         f"HELM_DATA_HOME={home / 'data'}",
     ]
-    result = run(
-        "env", *env_args, tool("helm"), *args, "--kubeconfig", str(kubeconfig), timeout=120
-    )
+    return ["env", *env_args, tool("helm"), *args, "--kubeconfig", str(kubeconfig)]
+
+
+def helm(envtest: EnvTest, home: Path, *args: str) -> str:
+    """helm as the admin; fails the test on an error."""
+    result = run(*helm_command(envtest, home, *args), timeout=120)
     assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stdout}{result.stderr}"
     return result.stdout
 
@@ -182,6 +187,92 @@ def test_helm_install_is_accepted_by_the_api_server(
             assert changed == [], f"{manifest['kind']} {manifest['metadata']['name']}: {changed}"
         status = helm(envtest, tmp_path, "status", release, "-n", envtest_namespace, "-o", "yaml")
         assert yaml.safe_load(status)["info"]["status"] == "deployed"
+    finally:
+        helm(envtest, tmp_path, "uninstall", release, "-n", envtest_namespace, "--wait=false")
+
+
+def crd_hook_objects(admin: kubernetes.client.ApiClient, release: str, namespace: str) -> set[str]:
+    """kind/name of the CRD upgrade hook's objects the server holds."""
+    name = f"{release}-crd-upgrade"
+    reads = {
+        "ServiceAccount": lambda: kubernetes.client.CoreV1Api(
+            admin
+        ).read_namespaced_service_account(name, namespace),
+        "ConfigMap": lambda: kubernetes.client.CoreV1Api(admin).read_namespaced_config_map(
+            name, namespace
+        ),
+        "ClusterRole": lambda: kubernetes.client.RbacAuthorizationV1Api(admin).read_cluster_role(
+            name
+        ),
+        "ClusterRoleBinding": lambda: kubernetes.client.RbacAuthorizationV1Api(
+            admin
+        ).read_cluster_role_binding(name),
+        "Job": lambda: kubernetes.client.BatchV1Api(admin).read_namespaced_job(name, namespace),
+    }
+    held = set()
+    for kind, read in reads.items():
+        try:
+            read()
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 404:
+                raise
+        else:
+            held.add(f"{kind}/{name}")
+    return held
+
+
+@pytest.mark.parametrize("job_succeeds", [False, True], ids=["job-fails", "job-succeeds"])
+def test_the_crd_upgrade_hook_leaves_nothing_behind(
+    job_succeeds: bool,
+    envtest: EnvTest,
+    envtest_admin: kubernetes.client.ApiClient,
+    envtest_namespace: str,
+    tmp_path: Path,
+) -> None:
+    """`helm upgrade` runs the pre-upgrade hook: its ServiceAccount, ClusterRole (a cluster-wide
+    grant on CRDs), binding, ConfigMap and Job exist while the Job runs, and none is left once
+    the Job has completed or failed. There is no kubelet here: the Job fails by running past
+    helm's --timeout, or is marked Complete as its controller would."""
+    release = f"kvshm-{secrets.token_hex(3)}"
+    helm(envtest, tmp_path, "install", release, str(CHART), "-n", envtest_namespace, "--wait=false")
+    every = {
+        f"{kind}/{release}-crd-upgrade"
+        for kind in ("ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRoleBinding", "Job")
+    }
+    timeout = "120s" if job_succeeds else "10s"
+    upgrade = subprocess.Popen(
+        helm_command(envtest, tmp_path, "upgrade", release, str(CHART), "-n", envtest_namespace,
+                     "--timeout", timeout),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(
+            lambda: crd_hook_objects(envtest_admin, release, envtest_namespace) == every,
+            timeout=30,
+            what="the hook's objects while its Job runs",
+        )
+        if job_succeeds:
+            now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            complete = {"type": "Complete", "status": "True", "lastTransitionTime": now}
+            kubernetes.client.BatchV1Api(envtest_admin).patch_namespaced_job_status(
+                f"{release}-crd-upgrade",
+                envtest_namespace,
+                {"status": {"conditions": [complete], "startTime": now, "completionTime": now,
+                            "succeeded": 1}},
+            )  # fmt: skip
+        output, _ = upgrade.communicate(timeout=180)
+    finally:
+        if upgrade.poll() is None:
+            upgrade.kill()
+            upgrade.wait()
+    try:
+        assert (upgrade.returncode == 0) == job_succeeds, output
+        if not job_succeeds:
+            assert "pre-upgrade hooks failed" in output, output
+        left = crd_hook_objects(envtest_admin, release, envtest_namespace)
+        assert left == set(), (
+            f"left behind after the Job {'succeeded' if job_succeeds else 'failed'}"
+        )
     finally:
         helm(envtest, tmp_path, "uninstall", release, "-n", envtest_namespace, "--wait=false")
 

@@ -27,7 +27,13 @@ RBAC_KINDS = frozenset(
 
 
 def load_documents(text: str) -> list[dict[str, Any]]:
-    return [doc for doc in yaml.safe_load_all(text) if isinstance(doc, dict) and doc]
+    """The objects of a YAML stream; a List's items in its place (the chart's CRD upgrade hook
+    is one), as the API server sees them."""
+    objects = []
+    for doc in yaml.safe_load_all(text):
+        if isinstance(doc, dict) and doc:
+            objects += doc["items"] if doc.get("kind") == "List" else [doc]
+    return objects
 
 
 def apply(api_client: kubernetes.client.ApiClient, manifest: Mapping[str, Any]) -> dict[str, Any]:

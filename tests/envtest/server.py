@@ -20,7 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +81,8 @@ class EnvTest:
     port: int = 0
     etcd_port: int = 0
     audit: AuditPolicy | None = None  # None: no audit log (every request costs a log line)
+    # more kube-apiserver flags: feature gates and APIs a test needs beyond 1.28's defaults
+    apiserver_args: tuple[str, ...] = ()
     _processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -210,6 +212,7 @@ class EnvTest:
                 "--endpoint-reconciler-type=none",
                 "--allow-privileged=true",  # the agent DaemonSet is privileged, as on a cluster
                 *audit,
+                *self.apiserver_args,
             ],
         )
         self._wait_http(f"{self.url}/readyz", "kube-apiserver", tls=True)
@@ -261,17 +264,20 @@ class EnvTest:
 
 @contextlib.contextmanager
 def start_envtest(
-    assets: Path | None = None, audit: AuditPolicy | None = None
+    assets: Path | None = None,
+    audit: AuditPolicy | None = None,
+    apiserver_args: Sequence[str] = (),
 ) -> Iterator[EnvTest]:
     """etcd and kube-apiserver from `assets` (default: assets_dir()), stopped and removed after;
-    with `audit`, the server logs the requests that policy names (EnvTest.audit_log).
+    with `audit`, the server logs the requests that policy names (EnvTest.audit_log);
+    `apiserver_args` are more kube-apiserver flags.
 
     The data directory is on /dev/shm when it exists: etcd fsyncs every write.
     """
     folder = assets or assets_dir()
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     workdir = Path(tempfile.mkdtemp(prefix="kvshm-envtest-", dir=base))
-    server = EnvTest(folder, workdir, audit=audit)
+    server = EnvTest(folder, workdir, audit=audit, apiserver_args=tuple(apiserver_args))
     try:
         server._make_keys()
         server._start_etcd()

@@ -41,7 +41,7 @@ def test_promtool_check_rules(values: Path | None, tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"groups": groups}))
     result = run(tool("promtool"), "check", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 9 rules found" in result.stdout
+    assert f"SUCCESS: {sum(len(group['rules']) for group in groups)} rules found" in result.stdout
 
 
 @pytest.mark.parametrize("test_file", ALERT_TESTS, ids=lambda p: p.stem)

@@ -75,6 +75,7 @@ class AgentApp:
 def _settings(config: AgentConfig) -> ReconcilerSettings:
     return ReconcilerSettings(
         reserve_bytes=config.reserve_bytes,
+        tenant_files_bytes=config.tenant_files_bytes,
         huge_pages_wanted=config.huge_pages is not HugePagesMode.IGNORE,
         drain_grace_seconds=config.drain_grace_seconds,
         retry_seconds=config.resync_seconds,

@@ -35,6 +35,7 @@ from kvshm.agent.descriptors import raise_soft_limit
 from kvshm.agent.mountroot import run as mount_root
 from kvshm.agent.printable import PrintableFormatter
 from kvshm.agent.sizes import parse_bytes
+from kvshm.agent.tenantfiles import DEFAULT_ALLOWANCE_BYTES
 
 log = logging.getLogger("kvshm.agent")
 
@@ -87,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_bytes,
         default=0,
         help="bytes of the root's filesystem never given to regions (e.g. 2Gi)",
+    )
+    node.add_argument(
+        "--tenant-files-bytes",
+        type=_bytes,
+        default=DEFAULT_ALLOWANCE_BYTES,
+        help="bytes a serving pod may keep in its region directory (its /dev/shm) besides the "
+        "region and its warm-restart index before the region's status says it is over "
+        "(default 1Gi)",
     )
     node.add_argument(
         "--huge-pages",
@@ -151,6 +160,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Ag
         node_labels=dict(args.node_label),
         root=args.root,
         reserve_bytes=args.reserve_bytes,
+        tenant_files_bytes=args.tenant_files_bytes,
         huge_pages=HugePagesMode(args.huge_pages),
         drain_grace_seconds=args.drain_grace_seconds,
         populate_threads=args.populate_threads,

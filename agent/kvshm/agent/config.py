@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 
+from kvshm.agent.tenantfiles import DEFAULT_ALLOWANCE_BYTES
+
 DEFAULT_ROOT = "/dev/shm/kvshm"
 DEFAULT_PORT = 9464
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -37,6 +39,8 @@ class AgentConfig:
     node_labels: Mapping[str, str] = field(default_factory=dict)  # local mode's placement
     root: str = DEFAULT_ROOT
     reserve_bytes: int = 0
+    # what a tenant may keep in its region directory besides the region and its index
+    tenant_files_bytes: int = DEFAULT_ALLOWANCE_BYTES
     huge_pages: HugePagesMode = HugePagesMode.WARN
     drain_grace_seconds: float = 30.0
     populate_threads: int | None = None  # None: one per CPU, at most 8
@@ -68,6 +72,7 @@ class AgentConfig:
                 "--node-label is for local mode: in a cluster the Node's own labels count"
             )
         _at_least("--reserve-bytes", self.reserve_bytes, 0)
+        _at_least("--tenant-files-bytes", self.tenant_files_bytes, 0)
         try:
             object.__setattr__(self, "huge_pages", HugePagesMode(self.huge_pages))
         except ValueError:

@@ -2,14 +2,17 @@
 
 Opening and populating run in a thread of the region's own (populating itself fans out to
 more threads), so one large region never delays another's report. The agent keeps the mapping
-(and the mlock) for as long as it runs, and drops its own shared flock right after opening so
-that the holder probe sees only other processes. Stopping the agent releases nothing on disk:
-the files outlive it and are adopted again, never re-created, on the next start.
+(and the mlock) for as long as it runs, and a shared flock on every file of the region from the
+moment it is made or opened: a process that removes region files no one holds with a shared
+flock (vLLM's proposed start-up sweep of orphaned /dev/shm files) leaves a populated region that
+no engine holds yet alone. The agent lets go (release) before it probes for holders to remove a
+region, and its own pid is left out of the lock table's holder count. Stopping the agent
+releases nothing on disk: the files outlive it and are adopted again, never re-created, on the
+next start.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import threading
@@ -263,6 +266,7 @@ class HostedRegion:
                 progress=self._progress,
                 unlink_on_cleanup=False,
                 numa=self.numa.placement,
+                hold_every_file=True,
             )
         except FileExistsError:
             self.created = False
@@ -275,8 +279,6 @@ class HostedRegion:
             self._rate.pace(done)
 
     def _finish(self, shared: SharedOffloadRegion) -> None:
-        # the agent's own mapping must not count as a holder (attachers flock file 0)
-        fcntl.flock(shared.fileno(), fcntl.LOCK_UN)
         access = self.region.access
         ids = []
         for fd in shared.filenos():

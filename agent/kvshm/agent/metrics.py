@@ -94,6 +94,22 @@ def _region_gauges(result: PassResult) -> Iterator[Metric]:
     for each, count in counts.items():
         by_phase.add_metric([each.value], count)
     yield from (by_phase, phase, size, populated)
+    other = GaugeMetricFamily(
+        "kvshm_agent_region_other_files_bytes",
+        "Bytes the tmpfs holds for a Ready region's tenant's other files in its directory "
+        "(the warm-restart index included; at least, where more entries than are looked at).",
+        labels=["region"],
+    )
+    allowed = GaugeMetricFamily(
+        "kvshm_agent_region_other_files_allowed_bytes",
+        "What a Ready region's tenant may keep beside it: its index's size and "
+        "--tenant-files-bytes.",
+        labels=["region"],
+    )
+    for key, found in sorted(result.tenant_files.items()):
+        other.add_metric([key], found.bytes)
+        allowed.add_metric([key], found.allowed_bytes)
+    yield from (other, allowed)
     yield GaugeMetricFamily(
         "kvshm_agent_allocated_bytes",
         "Sum of region file sizes on this node.",

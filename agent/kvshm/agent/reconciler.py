@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from kvshm.agent.counters import Counters, NoCounters
@@ -27,6 +27,7 @@ from kvshm.agent.record import Failure, RegionRecord, RegionState
 from kvshm.agent.reports import AgentEvent, EventReason, PassResult
 from kvshm.agent.saferoot import RegionRoot
 from kvshm.agent.sizes import format_bytes
+from kvshm.agent.tenantfiles import DEFAULT_ALLOWANCE_BYTES, TenantFiles, count_tenant_files
 from kvshm.agent.topology import HostTopology
 from kvshm.agent.view import ClusterView
 from kvshm.agent.warmindex import read_warm_index
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ReconcilerSettings:
     reserve_bytes: int = 0
+    tenant_files_bytes: int = DEFAULT_ALLOWANCE_BYTES  # beside a region and its index
     # whether a root without huge pages is reported as a problem (the OffloadNode's HugePages
     # condition): --huge-pages warn or require
     huge_pages_wanted: bool = True
@@ -118,8 +120,10 @@ class NodeReconciler:
         for key in [k for k, r in self._records.items() if r.state is RegionState.ABSENT]:
             del self._records[key]
         busy = any(record.unsettled() for record in self._records.values())
+        reports, tenant_files = self._reports(view)
         return PassResult(
-            reports=self._reports(view),
+            reports=reports,
+            tenant_files=tenant_files,
             events=self._events,
             root_scan=scan,
             reclaims=reclaims,
@@ -419,15 +423,44 @@ class NodeReconciler:
                 given_up.append(record.give_up())
         return given_up
 
-    def _reports(self, view: ClusterView) -> dict[str, NodeReport]:
-        reports = {}
+    def _reports(self, view: ClusterView) -> tuple[dict[str, NodeReport], dict[str, TenantFiles]]:
+        """Every region's report; and for a Ready one, what its tenant keeps beside it (said in
+        its message when it is more than it may)."""
+        reports, tenant_files = {}, {}
         for key, record in self._records.items():
             report = record.report(
                 self._holds, self._file_path, view.invalid.get(key), self._warm_index
             )
-            if report is not None:
-                reports[key] = report
-        return reports
+            if report is None:
+                continue
+            hosted = record.hosted
+            if report.phase is NodeRegionPhase.READY and hosted is not None:
+                found = self._tenant_files(hosted)
+                if found is not None:
+                    tenant_files[key] = found
+                    if found.over:
+                        said = "; ".join(filter(None, [report.message, found.message()]))
+                        report = replace(report, message=said)
+            reports[key] = report
+        return reports, tenant_files
+
+    def _tenant_files(self, hosted: HostedRegion) -> TenantFiles | None:
+        """None where the directory cannot be read (the region's own report says why)."""
+        region = hosted.region
+        try:
+            region_dir = self.root.open_region_dir(region.namespace, region.name)
+            if region_dir is None:
+                return None
+            with region_dir:
+                return count_tenant_files(
+                    region_dir,
+                    region,
+                    frozenset(hosted.file_ids),
+                    self.settings.tenant_files_bytes,
+                )
+        except OSError as exc:
+            log.debug("could not count the files beside region %s: %s", region.key, exc)
+            return None
 
     def _file_path(self, region: OffloadRegion) -> str:
         return region.address.path_under(self.root.path)

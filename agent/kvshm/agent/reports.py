@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvshm.agent.inventory import RootScan
+from kvshm.agent.tenantfiles import TenantFiles
 from kvshm.api import NodeReport, ReclaimResult
 from kvshm.api.events import EventReason
 
@@ -37,6 +38,8 @@ class PassResult:
     events: list[AgentEvent] = field(default_factory=list)
     root_scan: RootScan | None = None  # the region root as found, and its OffloadNode inventory
     reclaims: dict[str, ReclaimResult] = field(default_factory=dict)  # path -> latest result
+    # Ready region key -> what its tenant keeps in its directory besides it
+    tenant_files: dict[str, TenantFiles] = field(default_factory=dict)
     problems: tuple[str, ...] = ()  # the source's (unreadable files, refused specs)
     busy: bool = False  # something is populating or draining: pass again soon
     settled: bool = True  # nothing in progress (local --once may stop)

@@ -59,11 +59,13 @@ class Mount:
     fs_type: str
     mount_point: str
     options: tuple[str, ...]  # the filesystem's own (super) options: size=..., huge=...
+    # the directory of the filesystem mounted there: "/" for its root, else a bind of a subtree
+    fs_root: str = "/"
+    flags: tuple[str, ...] = ()  # the mount's own options: rw, nosuid, nodev, noexec, ...
 
 
-def find_mount(fd: int, path: str) -> Mount | None:
-    """fd's mount from mountinfo: of the mounts of fd's device, the one whose mount point is
-    the longest prefix of `path`; None where /proc/self/mountinfo has no such mount."""
+def _mounts_of(fd: int) -> list[Mount]:
+    """Every mount of fd's device, in /proc/self/mountinfo's order (a later one on top)."""
     device = os.fstat(fd).st_dev
     wanted = f"{os.major(device)}:{os.minor(device)}"
     found: list[Mount] = []
@@ -72,11 +74,33 @@ def find_mount(fd: int, path: str) -> Mount | None:
             for line in mounts:
                 fields, _, rest = line.partition(" - ")
                 parts, after = fields.split(), rest.split()
-                if len(parts) >= 5 and parts[2] == wanted and after:
+                if len(parts) >= 6 and parts[2] == wanted and after:
                     options = tuple(after[2].split(",")) if len(after) > 2 else ()
-                    found.append(Mount(after[0], _unescape(parts[4]), options))
+                    found.append(
+                        Mount(
+                            after[0],
+                            _unescape(parts[4]),
+                            options,
+                            fs_root=_unescape(parts[3]),
+                            flags=tuple(parts[5].split(",")),
+                        )
+                    )
     except OSError:
         pass
+    return found
+
+
+def mount_at(fd: int, path: str) -> Mount | None:
+    """The mount of fd's device whose mount point is `path` itself (the topmost, where mounts
+    are stacked); None where `path` is only a directory inside a mount."""
+    at = [mount for mount in _mounts_of(fd) if mount.mount_point == path]
+    return at[-1] if at else None
+
+
+def find_mount(fd: int, path: str) -> Mount | None:
+    """fd's mount from mountinfo: of the mounts of fd's device, the one whose mount point is
+    the longest prefix of `path`; None where /proc/self/mountinfo has no such mount."""
+    found = _mounts_of(fd)
     if not found:
         return None
 

@@ -48,7 +48,8 @@ def check_file_mode(file_mode: int) -> int:
 
 class RegionFiles:
     """Descriptors of a region's files (file 0 first) in `directory`, opened relative to a
-    descriptor of the directory. Attached processes hold a shared flock on file 0."""
+    descriptor of the directory. Attached processes hold a shared flock on file 0; with
+    hold_every_file on every file, from the moment it is opened (or made) until close()."""
 
     def __init__(
         self,
@@ -58,8 +59,10 @@ class RegionFiles:
         mode: OpenMode,
         file_mode: int,
         owner: tuple[int, int] | None,
+        hold_every_file: bool = False,
     ) -> None:
         self.instance_id = instance_id
+        self._hold_every_file = hold_every_file
         self.files = files
         self.directory = directory
         self.first_path = self.path(0)
@@ -166,6 +169,7 @@ class RegionFiles:
                 raise RegionFileExistsError(self.path(index), self.first_path)
             self.fds[index] = fd
             self._created[index] = True
+            self._hold(index)
             if self._owner is not None:
                 os.fchown(fd, *self._owner)
             os.ftruncate(fd, self.files[index].length)
@@ -193,9 +197,24 @@ class RegionFiles:
             except FileNotFoundError:
                 raise RegionFileMissingError(path, expected) from None
             self.fds[index] = fd
+            self._hold(index)
             actual = os.fstat(fd).st_size
             if actual != expected:
                 raise RegionSizeMismatchError(path, actual, expected)
+
+    def _hold(self, index: int) -> None:
+        """With hold_every_file, a shared flock on file `index` (file 0 has one already): a
+        process that removes the region files no one holds leaves it alone."""
+        if not self._hold_every_file:
+            return
+        try:
+            fcntl.flock(self.fds[index], fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BlockingIOError(
+                errno.EWOULDBLOCK,
+                "locked exclusively (flock) by another process, which may be removing it",
+                self.path(index),
+            ) from None
 
     def allocated_bytes(self) -> int:
         """Bytes the filesystem holds for the files."""

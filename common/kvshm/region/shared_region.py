@@ -56,7 +56,8 @@ class SharedOffloadRegion:
 
     populate=None populates when this process created the region, and when it attached to one
     whose pages are not all allocated yet; with a rank only that worker's cells, else all of it.
-    Attached processes hold a shared flock on file 0 so the agent can tell the region is in use.
+    Attached processes hold a shared flock on file 0 so the agent can tell the region is in use;
+    hold_every_file (the agent's) holds one on every file for as long as the region is open.
 
     The files are mapped from a huge-page boundary and the mapping asks for huge pages
     (MADV_HUGEPAGE), so on a tmpfs mounted with huge= every file whose offset is whole huge
@@ -82,6 +83,7 @@ class SharedOffloadRegion:
         progress: ProgressCallback | None = None,
         unlink_on_cleanup: bool | None = None,
         numa: NumaPlacement | None = None,
+        hold_every_file: bool = False,
     ) -> None:
         if not isinstance(layout, RegionLayout):
             raise InvalidLayoutError(f"layout must be a RegionLayout, got {layout!r}")
@@ -114,7 +116,7 @@ class SharedOffloadRegion:
 
         started = time.monotonic()
         self._files = RegionFiles(
-            instance_id, self.files, directory, self.mode, self.file_mode, owner
+            instance_id, self.files, directory, self.mode, self.file_mode, owner, hold_every_file
         )
         try:
             self._files.open(layout.size_bytes, attach_timeout, poll_interval)
@@ -198,8 +200,7 @@ class SharedOffloadRegion:
         self._unlink_on_cleanup = False
 
     def fileno(self) -> int:
-        """File 0's descriptor, valid until cleanup(). The kvshm agent uses it to drop its own
-        shared flock, so that only other processes count as holders."""
+        """File 0's descriptor, valid until cleanup()."""
         return self._fd
 
     def filenos(self) -> list[int]:
