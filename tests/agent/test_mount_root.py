@@ -197,6 +197,26 @@ def test_a_root_holding_anything_else_fails_loudly_and_removes_nothing(
     assert sorted(str(p.relative_to(small_tmpfs)) for p in small_tmpfs.rglob("*")) == before
 
 
+@pytest.mark.parametrize("mode", ["warn", "ignore"])
+def test_where_the_agent_may_run_without_huge_pages_a_root_holding_regions_is_a_warning(
+    small_tmpfs: Path, mode: str
+) -> None:
+    """A node that already serves regions on /dev/shm, the mount turned on later: the agent
+    keeps serving them with 4 KiB pages (its HugePages condition says so), never crash-loops."""
+    root = small_tmpfs / "kvshm"
+    (root / "ns" / "r").mkdir(parents=True)
+    (root / "ns" / "r" / "vllm_offload_r.mmap").write_bytes(b"kv")
+    with unmounting(root):
+        done = mount_root(root, "--size=64m", f"--huge-pages={mode}")
+        assert done.returncode == 0, done.stderr
+        assert done.stderr.startswith("kvshm-agent mount-root: WARNING:"), done.stderr
+        assert "ns/" in done.stderr and "runs on the root as it is" in done.stderr
+        assert mounts_at(root) == []
+    assert (root / "ns" / "r" / "vllm_offload_r.mmap").read_bytes() == b"kv"
+    required = mount_root(root, "--size=64m", "--huge-pages=require")
+    assert required.returncode == 1 and "WARNING" not in required.stderr
+
+
 def test_a_mount_below_the_root_is_never_crossed(small_tmpfs: Path) -> None:
     root = small_tmpfs / "kvshm"
     (root / "ns").mkdir(parents=True)

@@ -17,14 +17,17 @@ What it does with the root (made by the kubelet if missing):
   symlink nor crossing a mount, and a tmpfs is mounted there (size=, huge=, mode=0711, nosuid,
   nodev, noexec);
 - it holds anything else (files, symlinks, regions made before on /dev/shm): nothing is mounted
-  nor removed, and it fails saying what is there. A mount over it would hide those files from
+  nor removed, and it fails saying what is there (with --huge-pages warn, the agent's own
+  setting, it warns instead and the agent runs on the root as it is: a node's regions keep
+  being served, with 4 KiB pages, and its OffloadNode's HugePages condition says why). A mount over it would hide those files from
   the agent and from new serving pods while running engines keep theirs, and the agent would make
   the regions again on the new tmpfs: twice the memory.
 After a mount or remount it checks that a file made on the root gets huge pages (the kernel may
 deny them host-wide).
 
-Exit status: 0 when the root is the tmpfs asked for (mounted, remounted or already so), 1 when it
-is not and cannot be made so here (the message says what to do), 2 for arguments it cannot use.
+Exit status: 0 when the root is the tmpfs asked for (mounted, remounted or already so), or holds
+regions and --huge-pages is warn (a warning); 1 when it is not and cannot be made so here (the
+message says what to do), 2 for arguments it cannot use.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import sys
 from collections.abc import Sequence
 
 from kvshm.agent import dirwalk
+from kvshm.agent.config import HugePagesMode
 from kvshm.agent.rootfs import TMPFS_MAGIC, Mount, filesystem_magic, mount_at
 from kvshm.agent.rootpages import describe_pages, is_huge, probe_pages
 from kvshm.agent.sizes import format_bytes
@@ -81,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=HugePages.WITHIN_SIZE.value,
         help="the tmpfs's huge=: within_size (a file's last partial huge page in small pages; "
         "the default) or always",
+    )
+    parser.add_argument(
+        "--huge-pages",
+        choices=[mode.value for mode in HugePagesMode],
+        default=HugePagesMode.REQUIRE.value,
+        help="the agent's --huge-pages: with warn or ignore, a root that holds regions is "
+        "left as it is with a warning (exit 0), not a failure (exit 1)",
     )
     return parser
 
@@ -258,7 +269,9 @@ def _pages_on(root: str, done: str) -> tuple[int, str]:
     return 0, f"{done}: region files get {describe_pages(pages)}"
 
 
-def mount_root(root: str, size: str, huge: str) -> tuple[int, str]:
+def mount_root(
+    root: str, size: str, huge: str, huge_pages: HugePagesMode = HugePagesMode.REQUIRE
+) -> tuple[int, str]:
     """Do what the module's docstring says; (exit status, what was done)."""
     root = os.path.abspath(root)
     os.makedirs(root, mode=0o711, exist_ok=True)
@@ -270,8 +283,15 @@ def mount_root(root: str, size: str, huge: str) -> tuple[int, str]:
         refused = _clear_for_mount(fd, root)
     finally:
         os.close(fd)
-    if refused is not None:
+    if refused is not None and huge_pages is HugePagesMode.REQUIRE:
         return 1, refused
+    if refused is not None:  # the agent is to run without huge pages rather than not at all
+        return 0, (
+            f"WARNING: {refused.split('. Nothing was mounted', 1)[0]}. Nothing was mounted nor "
+            f"removed, and the agent runs on the root as it is (--huge-pages {huge_pages}): "
+            f"its regions get 4 KiB pages, and the OffloadNode's HugePages condition says so. "
+            f"Remove them on the node once no engine uses them, and restart the agent pod"
+        )
     options = f"size={size},huge={huge},mode=0711"
     try:
         mount_tmpfs(root, options)
@@ -288,7 +308,7 @@ def run(argv: Sequence[str]) -> int:
             f"--size {args.size!r} is not a tmpfs size: bytes with an optional k, m, g or t "
             f"suffix (256g), or a percentage of the node's memory (50%)"
         )
-    status, message = mount_root(args.root, args.size, args.huge)
+    status, message = mount_root(args.root, args.size, args.huge, HugePagesMode(args.huge_pages))
     warned = status != 0 or message.startswith("WARNING")
     print(f"kvshm-agent mount-root: {message}", file=sys.stderr if warned else sys.stdout)
     return status
