@@ -19,9 +19,9 @@ What it does with the root (made by the kubelet if missing):
 - it holds anything else (files, symlinks, regions made before on /dev/shm): nothing is mounted
   nor removed, and it fails saying what is there (with --huge-pages warn, the agent's own
   setting, it warns instead and the agent runs on the root as it is: a node's regions keep
-  being served, with 4 KiB pages, and its OffloadNode's HugePages condition says why). A mount over it would hide those files from
-  the agent and from new serving pods while running engines keep theirs, and the agent would make
-  the regions again on the new tmpfs: twice the memory.
+  being served, with 4 KiB pages, and its OffloadNode's HugePages condition says why). A mount
+  over it would hide those files from the agent and from new serving pods while running engines
+  keep theirs, and the agent would make the regions again on the new tmpfs: twice the memory.
 After a mount or remount it checks that a file made on the root gets huge pages (the kernel may
 deny them host-wide).
 
