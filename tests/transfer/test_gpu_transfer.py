@@ -22,7 +22,7 @@ from kvshm.transfer import (
 from kvshm.transfer.backends.kernel import CompiledLaunch, KernelBackend
 from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.backends.strided import StridedBackend
-from kvshm.transfer.streams import own_stream
+from kvshm.transfer.cuda.streams import own_stream
 
 from .helpers import open_region, placements, region_bytes, unpadded
 
@@ -442,7 +442,7 @@ def test_many_layers_of_small_pages_are_staged_and_byte_exact(
     ]
     assert store._chooser.choose(store._planner.plan(specs[0])).name == "staged"
     # one group, one block per chunk, pages back to back in the cell: the jobs are planned
-    # from their ids alone (kvshm.transfer.uniform), in pieces of 4 cells per buffer
+    # from their ids alone (kvshm.transfer.jobs.uniform), in pieces of 4 cells per buffer
     for handler in (store, pair.cpu_to_gpu_handler):
         uniform = handler._router.uniform_backend(None)
         assert uniform is not None and uniform.name == "staged"
@@ -619,7 +619,7 @@ def test_a_job_gets_the_beside_backend_while_the_other_direction_is_busy(
 ) -> None:
     """Stores by DMA while no load is in flight, staged while one is; every byte lands."""
     from kvshm.transfer import SingleDirectionOffloadingHandler as Handler
-    from kvshm.transfer.traffic import Traffic
+    from kvshm.transfer.choice.traffic import Traffic
 
     region = regions[1]
     gpu = random_block_data(32, PAGE, LAYERS)

@@ -21,7 +21,7 @@ from kvshm.transfer import (
     TransferResult,
 )
 from kvshm.transfer.backends.cpu import CpuMemmoveBackend
-from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.jobs.batch import CopyBatch
 
 from .helpers import open_region, placements, region_bytes, unpadded
 

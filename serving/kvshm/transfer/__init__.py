@@ -4,7 +4,7 @@ GPU-only pieces (CUDA streams, the driver, Triton) load on first use, so this pa
 and its CPU backend runs on machines without a GPU.
 """
 
-from kvshm.transfer.chooser import BACKEND_ENV, BackendPolicy
+from kvshm.transfer.choice.chooser import BACKEND_ENV, BackendPolicy
 from kvshm.transfer.errors import (
     BackendUnavailableError,
     CudaCallError,
@@ -14,11 +14,8 @@ from kvshm.transfer.errors import (
     TransferError,
 )
 from kvshm.transfer.handler import SingleDirectionOffloadingHandler
-from kvshm.transfer.metrics import Direction
-from kvshm.transfer.options import TransferOptions
-from kvshm.transfer.pair import CpuGpuOffloadingHandlers
-from kvshm.transfer.pointers import compute_sub_block_ptrs
-from kvshm.transfer.specs import (
+from kvshm.transfer.jobs.pointers import compute_sub_block_ptrs
+from kvshm.transfer.jobs.specs import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCacheRef,
     CPULoadStoreSpec,
@@ -28,6 +25,9 @@ from kvshm.transfer.specs import (
     TransferSpec,
     TransferType,
 )
+from kvshm.transfer.metrics import Direction
+from kvshm.transfer.options import TransferOptions
+from kvshm.transfer.pair import CpuGpuOffloadingHandlers
 
 __all__ = [
     "BACKEND_ENV",

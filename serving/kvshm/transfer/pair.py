@@ -7,11 +7,11 @@ from collections.abc import Sequence
 import torch
 
 from kvshm.region import SharedOffloadRegion
-from kvshm.transfer.chooser import BackendPolicy
+from kvshm.transfer.choice.chooser import BackendPolicy
 from kvshm.transfer.handler import SingleDirectionOffloadingHandler
+from kvshm.transfer.jobs.specs import CanonicalKVCacheRef
+from kvshm.transfer.jobs.tensors import check_gpu_tensors
 from kvshm.transfer.options import TransferOptions
-from kvshm.transfer.specs import CanonicalKVCacheRef
-from kvshm.transfer.tensors import check_gpu_tensors
 
 
 class CpuGpuOffloadingHandlers:

@@ -17,8 +17,8 @@ from kvshm.region.drain_event import DrainEvent
 from kvshm.transfer import BackendUnavailableError, SingleDirectionOffloadingHandler
 from kvshm.transfer.backends.base import BackendName
 from kvshm.transfer.calibration import ChoiceCache, choose
-from kvshm.transfer.chooser import COPY_ENGINES, SM_FREE_BACKENDS, BackendPolicy
-from kvshm.transfer.traffic import Traffic
+from kvshm.transfer.choice.chooser import COPY_ENGINES, SM_FREE_BACKENDS, BackendPolicy
+from kvshm.transfer.choice.traffic import Traffic
 from kvshm.vllm.events import DrainListener
 from kvshm.vllm.pinning import BackgroundPin
 from vllm.v1.kv_offload.base import (

@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from kvshm.transfer.batch import CopyBatch
-from kvshm.transfer.uniform import UniformJob, UniformLayout
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.uniform import UniformJob, UniformLayout
 
 Stream = Any
 """A torch.cuda.Stream for GPU backends; None for the CPU backend."""
@@ -32,7 +32,7 @@ class CopyBackend(ABC):
     is a Lease. `after` is the stream whose queued work GPU->CPU copies must follow: `stream`
     already waits for it, so only a backend that issues on other streams too needs it.
 
-    A backend may also take uniform jobs (kvshm.transfer.uniform), their tables from the block
+    A backend may also take uniform jobs (kvshm.transfer.jobs.uniform), their tables from the block
     ids alone: prepare_uniform(layout) once when the handler is built, then copy_uniform(job)
     per job, which returns what copy() does.
     """

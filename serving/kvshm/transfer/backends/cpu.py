@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 
 from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
-from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.jobs.batch import CopyBatch
 
 
 class CpuMemmoveBackend(CopyBackend):

@@ -12,17 +12,17 @@ from __future__ import annotations
 import logging
 
 from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
-from kvshm.transfer.backends.cuda_driver import (
+from kvshm.transfer.cuda.driver import (
     CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_NOT_SUPPORTED,
     CUDA_SUCCESS,
     CopyDirection,
     CudaDriver,
 )
-from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.errors import CudaCallError
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.uniform import UniformCopies, UniformJob, UniformLayout
 from kvshm.transfer.options import DEFAULT_DESCRIPTORS_PER_CALL
-from kvshm.transfer.uniform import UniformCopies, UniformJob, UniformLayout
 
 log = logging.getLogger(__name__)
 

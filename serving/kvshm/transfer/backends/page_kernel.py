@@ -1,6 +1,6 @@
 """The staged backend's gather and scatter for uniform jobs, addressed from the block ids alone.
 
-A uniform job's pages follow from its GPU block ids and the layout (kvshm.transfer.uniform):
+A uniform job's pages follow from its GPU block ids and the layout (kvshm.transfer.jobs.uniform):
 page r of block k is at gpu_base[r] + id_k * gpu_stride[r] and at cell_offset[r] in the
 block's cell in the staging buffer. So the kernel takes the ids as launch arguments and the
 layout's per-ref table from device memory, uploaded once: no job writes a table, and the
@@ -27,7 +27,7 @@ from kvshm.transfer.backends.kernel import (
     checked_launch,
     launch_constants,
 )
-from kvshm.transfer.uniform import UniformLayout
+from kvshm.transfer.jobs.uniform import UniformLayout
 
 I32_MAX = (1 << 31) - 1
 

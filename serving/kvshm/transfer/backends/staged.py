@@ -2,7 +2,7 @@
 
 The copy engines reach the link only with large descriptors: the driver's time per descriptor
 bounds small ones (docs/transfer.md F5, F52). A job that moves many tensors' pages of each
-block touches one contiguous run of the region per block (kvshm.transfer.staging), so this
+block touches one contiguous run of the region per block (kvshm.transfer.jobs.staging), so this
 backend moves each run with one descriptor between the region and a device buffer, and the
 copy kernel gathers (GPU->CPU) or scatters (CPU->GPU) the pages between that buffer and the
 GPU tensors, in device memory only. The kernel runs on a second stream, so piece k+1 is
@@ -24,11 +24,11 @@ from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend
 from kvshm.transfer.backends.page_kernel import PageKernel, page_kernel_refusal
-from kvshm.transfer.batch import CopyBatch
-from kvshm.transfer.pinned import PinnedTables
-from kvshm.transfer.staging import StagingPlan, plan_staging
-from kvshm.transfer.streams import give_back, own_stream
-from kvshm.transfer.uniform import (
+from kvshm.transfer.cuda.pinned import PinnedTables
+from kvshm.transfer.cuda.streams import give_back, own_stream
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.staging import StagingPlan, plan_staging
+from kvshm.transfer.jobs.uniform import (
     UniformCut,
     UniformJob,
     UniformLayout,
@@ -173,7 +173,7 @@ class StagedBackend(CopyBackend):
         return table  # lent until the job is done: the kernel reads it meanwhile
 
     def copy_uniform(self, job: UniformJob, stream: Stream, after: Stream | None = None) -> object:
-        """The same for a uniform job of the prepared layout (kvshm.transfer.uniform): its
+        """The same for a uniform job of the prepared layout (kvshm.transfer.jobs.uniform): its
         tables come from the block ids alone, a piece being as many whole blocks (cells) as
         fill a buffer."""
         layout = self._layout

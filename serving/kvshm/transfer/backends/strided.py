@@ -10,7 +10,7 @@ But the copy engines move such rows at less of the link than staging does (docs/
 F45, F46, F54): so this backend is taken by name, or measured among the backends that use no
 SMs (the plugin's kvshm_backend: copy-engines), where the model's compute matters more than
 the last tenth of the link; the default calibration leaves it out. Jobs that are not uniform
-(kvshm.transfer.uniform) go by DMA.
+(kvshm.transfer.jobs.uniform) go by DMA.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from __future__ import annotations
 import numpy as np
 
 from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
-from kvshm.transfer.backends.cuda_driver import CUDA_MEMCPY2D, CUDA_SUCCESS, CudaDriver
 from kvshm.transfer.backends.dma import DmaBackend
-from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.cuda.driver import CUDA_MEMCPY2D, CUDA_SUCCESS, CudaDriver
 from kvshm.transfer.errors import CudaCallError
-from kvshm.transfer.uniform import UniformJob, UniformLayout
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.uniform import UniformJob, UniformLayout
 
 
 def strided_refusal(layout: UniformLayout | None) -> str | None:

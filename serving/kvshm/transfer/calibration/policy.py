@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 from kvshm.transfer.backends.base import BackendName
-from kvshm.transfer.chooser import BACKEND_NAMES, SM_FREE_BACKENDS, BackendPolicy
+from kvshm.transfer.choice.chooser import BACKEND_NAMES, SM_FREE_BACKENDS, BackendPolicy
 from kvshm.transfer.metrics import Direction
 
 CHOICES = ("store", "load", "store_beside", "load_beside")

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from kvshm.transfer.backends.base import Lease, Stream
-from kvshm.transfer.streams import give_back, own_stream
-from kvshm.transfer.timeline import Ticket, Timeline, Work
+from kvshm.transfer.cuda.streams import give_back, own_stream
+from kvshm.transfer.ordering.timeline import Ticket, Timeline, Work
 
 
 class CudaTicket(Ticket):

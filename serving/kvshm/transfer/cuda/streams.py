@@ -25,7 +25,7 @@ def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
     """A non-blocking stream on `device` that no torch.cuda.Stream() can be given: one given
     back earlier, else a new one, created in the device's primary context (made current on a
     thread that has none, as torch's own first CUDA call there would)."""
-    from kvshm.transfer.backends.cuda_driver import cuda_driver
+    from kvshm.transfer.cuda.driver import cuda_driver
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:

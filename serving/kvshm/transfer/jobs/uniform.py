@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvshm.transfer.batch import CopyBatch
-from kvshm.transfer.pointers import RowGeometry
-from kvshm.transfer.specs import CanonicalKVCacheRef
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.pointers import RowGeometry
+from kvshm.transfer.jobs.specs import CanonicalKVCacheRef
 
 Int64s = npt.NDArray[np.int64]
 MAX_PITCH = (1 << 31) - 1  # the largest row pitch a 2-D copy takes (CU_DEVICE_ATTRIBUTE_MAX_PITCH)

@@ -2,7 +2,7 @@
 
 A Timeline runs each launched job after the previous one finished, timing it from start to
 end. CpuTimeline runs jobs on one worker thread (the CPU backend's "stream"); CudaTimeline
-(kvshm.transfer.cuda_timeline) issues them in the caller's thread onto one CUDA stream.
+(kvshm.transfer.ordering.cuda_timeline) issues them in the caller's thread onto one CUDA stream.
 """
 
 from __future__ import annotations
