@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvshm.transfer.backends.base import Lease
 from kvshm.transfer.cuda.pinned import MIN_COLUMNS, PinnedTables
+from kvshm.transfer.jobs.work import Lease
 from kvshm.transfer.ordering.timeline import CpuTimeline
 
 

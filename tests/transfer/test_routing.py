@@ -20,7 +20,7 @@ from kvshm.transfer import (
     InvalidTransferSpecError,
 )
 from kvshm.transfer.backends import staged as staged_module
-from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
+from kvshm.transfer.backends.base import BackendName, CopyBackend
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend
 from kvshm.transfer.backends.staged import StagedBackend
@@ -32,6 +32,7 @@ from kvshm.transfer.jobs.batch import CopyBatch
 from kvshm.transfer.jobs.plan import JobPlanner
 from kvshm.transfer.jobs.pointers import RowGeometry
 from kvshm.transfer.jobs.uniform import UniformLayout
+from kvshm.transfer.jobs.work import Stream
 
 from .helpers import CPU_ROWS, GPU_ROWS, cpu_views, one_group
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
+from kvshm.transfer.backends.base import BackendName, CopyBackend
 from kvshm.transfer.cuda.driver import (
     CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_NOT_SUPPORTED,
@@ -22,6 +22,7 @@ from kvshm.transfer.cuda.driver import (
 from kvshm.transfer.errors import CudaCallError
 from kvshm.transfer.jobs.batch import CopyBatch
 from kvshm.transfer.jobs.uniform import UniformCopies, UniformJob, UniformLayout
+from kvshm.transfer.jobs.work import Stream
 from kvshm.transfer.options import DEFAULT_DESCRIPTORS_PER_CALL
 
 log = logging.getLogger(__name__)

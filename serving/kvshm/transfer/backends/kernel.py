@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
+from kvshm.transfer.backends.base import BackendName, CopyBackend
 from kvshm.transfer.cuda.driver import CudaDriver
 from kvshm.transfer.cuda.pinned import PinnedTables
 from kvshm.transfer.jobs.batch import CopyBatch
 from kvshm.transfer.jobs.pointers import RowGeometry
+from kvshm.transfer.jobs.work import Stream
 from kvshm.transfer.options import DEFAULT_KERNEL_CHUNK_BYTES, DEFAULT_KERNEL_PROGRAMS
 
 DEFAULT_NUM_WARPS = 4

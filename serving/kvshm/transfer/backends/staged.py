@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
+from kvshm.transfer.backends.base import BackendName, CopyBackend
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend
 from kvshm.transfer.backends.page_kernel import PageKernel, page_kernel_refusal
@@ -36,6 +36,7 @@ from kvshm.transfer.jobs.uniform import (
     uniform_runs,
     uniform_tables,
 )
+from kvshm.transfer.jobs.work import Stream
 
 log = logging.getLogger(__name__)
 

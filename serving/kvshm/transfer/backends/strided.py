@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
+from kvshm.transfer.backends.base import BackendName, CopyBackend
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.cuda.driver import CUDA_MEMCPY2D, CUDA_SUCCESS, CudaDriver
 from kvshm.transfer.errors import CudaCallError
 from kvshm.transfer.jobs.batch import CopyBatch
 from kvshm.transfer.jobs.uniform import UniformJob, UniformLayout
+from kvshm.transfer.jobs.work import Stream
 
 
 def strided_refusal(layout: UniformLayout | None) -> str | None:

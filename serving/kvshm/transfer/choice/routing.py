@@ -10,14 +10,14 @@ names what is wrong with a bad spec.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from kvshm.transfer.backends.base import CopyBackend, Stream
+from kvshm.transfer.backends.base import CopyBackend
 from kvshm.transfer.choice.chooser import BackendChooser
 from kvshm.transfer.jobs.plan import JobPlanner
 from kvshm.transfer.jobs.uniform import UniformJob, UniformLayout
+from kvshm.transfer.jobs.work import Stream, Work
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Route:
     """A job's backend, the work that issues it on a stream, and the bytes it moves."""
 
     backend: CopyBackend
-    work: Callable[[Stream], object]
+    work: Work
     size_bytes: int
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvshm.transfer.backends.base import Lease
+from kvshm.transfer.jobs.work import Lease
 
 MIN_COLUMNS = 64
 BYTES_KEPT = 16 << 20

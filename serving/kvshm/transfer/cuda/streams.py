@@ -17,6 +17,8 @@ import threading
 
 import torch
 
+from kvshm.transfer.cuda.driver import cuda_driver
+
 _free: dict[int, list[int]] = {}  # per device index, streams given back
 _lock = threading.Lock()
 
@@ -25,8 +27,6 @@ def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
     """A non-blocking stream on `device` that no torch.cuda.Stream() can be given: one given
     back earlier, else a new one, created in the device's primary context (made current on a
     thread that has none, as torch's own first CUDA call there would)."""
-    from kvshm.transfer.cuda.driver import cuda_driver
-
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
         free = _free.get(index)

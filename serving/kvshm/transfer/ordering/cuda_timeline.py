@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from kvshm.transfer.backends.base import Lease, Stream
 from kvshm.transfer.cuda.streams import give_back, own_stream
-from kvshm.transfer.ordering.timeline import Ticket, Timeline, Work
+from kvshm.transfer.jobs.work import Lease, Stream, Work
+from kvshm.transfer.ordering.timeline import Ticket, Timeline
 
 
 class CudaTicket(Ticket):

@@ -11,13 +11,8 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
-from kvshm.transfer.backends.base import Lease, Stream
-
-Work = Callable[[Stream], object]
-"""A job's copies: called once with the stream to issue them on; what it returns is kept
-alive until the job is done, and released then if it is a Lease."""
+from kvshm.transfer.jobs.work import Lease, Stream, Work
 
 
 class Ticket(ABC):
