@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvshm.transfer import SingleDirectionOffloadingHandler
 from kvshm.transfer.calibration.policy import choose_backends, worth_trying
 from kvshm.transfer.calibration.workload import Spec, Workload
+from kvshm.transfer.handler import SingleDirectionOffloadingHandler
 
 REPS = 3  # medians of this many rounds
 # each trial moves the scratch blocks this many times: one pass's fixed costs hid differences
