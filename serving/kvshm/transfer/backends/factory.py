@@ -82,7 +82,7 @@ def build_backends(
     # region registered
     if staging and options.staging_buffers >= 2:
         # its gathers and scatters touch device memory only: a grid on every SM finishes a
-        # piece far sooner than 32 programs, then leaves the SMs alone (docs/transfer.md F53)
+        # piece far sooner than 32 programs, then leaves the SMs alone (docs/transfer.md)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         device_copies = KernelBackend(device, options.kernel_chunk_bytes, programs=2 * sms)
         staged = StagedBackend(

@@ -6,11 +6,11 @@ block's cell in the staging buffer. So the kernel takes the ids as launch argume
 layout's per-ref table from device memory, uploaded once: no job writes a table, and the
 kernel reads nothing from host memory. With a table in pinned host memory, its reads wait
 behind the other direction's copies on the link, and the copies out waited for the gather,
-which cost both ways several GB/s (docs/transfer.md F37, F56).
+which cost both ways several GB/s (docs/transfer.md).
 
 Its programs have the copy kernel's shape (4 warps, 16 KiB a step). Programs of one warp and
 32 registers, small enough to sit on an SM beside a matrix product's thread block, slowed the
-products beside more, not less (F40).
+products beside more, not less.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The staged backend: the copy engines move whole runs of a region, the GPU gathers/scatters.
 
 The copy engines reach the link only with large descriptors: the driver's time per descriptor
-bounds small ones (docs/transfer.md F5, F52). A job that moves many tensors' pages of each
+bounds small ones (docs/transfer.md). A job that moves many tensors' pages of each
 block touches one contiguous run of the region per block (kvshm.transfer.jobs.staging), so this
 backend moves each run with one descriptor between the region and a device buffer, and the
 copy kernel gathers (GPU->CPU) or scatters (CPU->GPU) the pages between that buffer and the
@@ -267,7 +267,7 @@ class StagedBackend(CopyBackend):
         assert fill is not None and drain is not None
         if self._gpu_to_cpu and after is not None:
             assert self._after_done is not None
-            # one kept event: wait_stream would create one per job (docs/transfer.md F51)
+            # one kept event: wait_stream would create one per job (docs/transfer.md)
             self._after_done.record(after)
             fill.wait_event(self._after_done)
         for piece, b in enumerate(used):

@@ -6,10 +6,10 @@ offset + l * layer_stride + b * page, and the block's cell in the region holds t
 back, so one cuMemcpy2DAsync (a row per layer: the page, GPU pitch layer_stride, host pitch the
 page) moves a block. A 16-block job is 16 driver calls where a descriptor per page is 16 x
 layers, and no SM touches the bytes: the model's compute beside loses what it loses beside DMA.
-But the copy engines move such rows at less of the link than staging does (docs/transfer.md
-F45, F46, F54): so this backend is taken by name, or measured among the backends that use no
-SMs (the plugin's kvshm_backend: copy-engines), where the model's compute matters more than
-the last tenth of the link; the default calibration leaves it out. Jobs that are not uniform
+But the copy engines move such rows at less of the link than staging does (docs/transfer.md):
+so this backend is taken by name, or measured among the backends that use no SMs (the plugin's
+kvshm_backend: copy-engines), where the model's compute matters more than the last tenth of the
+link; the default calibration leaves it out. Jobs that are not uniform
 (kvshm.transfer.jobs.uniform) go by DMA.
 """
 
@@ -71,7 +71,7 @@ class StridedBackend(CopyBackend):
         gpu = layout.gpu_base[0] + job.gpu_ids * layout.gpu_stride[0]
         cells = layout.cpu_base + job.cpu_ids * layout.cpu_stride
         if self._gpu_to_cpu:
-            order = np.argsort(cells, kind="stable")  # host memory takes writes in order (F7)
+            order = np.argsort(cells, kind="stable")  # host memory takes writes in order
             sources, destinations = gpu[order], cells[order]
         else:
             sources, destinations = cells, gpu

@@ -34,7 +34,7 @@ SM_FREE_BACKENDS = (BackendName.STRIDED, BackendName.DMA, BackendName.CPU)
 def _default_kernel_below() -> dict[Direction, int]:
     # under 64 KiB the copy engines are bound by the driver's time per descriptor and the
     # kernel moves more; from 64 KiB the engines keep up, and only they overlap both
-    # directions (docs/transfer.md F5, F53)
+    # directions (docs/transfer.md)
     return {Direction.CPU_TO_GPU: 64 * 1024, Direction.GPU_TO_CPU: 64 * 1024}
 
 
@@ -49,7 +49,7 @@ class BackendPolicy:
     staged_from_run_bytes: int = 256 * 1024
     # many small pages: both directions at once DMA is bound by one thread issuing every
     # page's descriptor, where staging issues one a block; from 128 KiB the descriptors are
-    # few enough (docs/transfer.md F12)
+    # few enough (docs/transfer.md)
     staged_below_copy_bytes: int = 128 * 1024
 
 
