@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvshm.transfer.streams import own_stream
+from kvshm.transfer.cuda.streams import own_stream
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 
@@ -80,7 +80,7 @@ class Compute:
     def __init__(self) -> None:
         self.a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
         # not torch.cuda.Stream(): torch's 32 pooled streams are handed out in turn, and the
-        # workers measured beside draw theirs from the same pool (kvshm.transfer.streams)
+        # workers measured beside draw theirs from the same pool (kvshm.transfer.cuda.streams)
         self.stream = own_stream(torch.device("cuda"))
         # the first products on a stream also set up cuBLAS there (tens of ms): timed cold,
         # ms_each read 30x too long and products sized from it ended long before the transfer

@@ -5,7 +5,10 @@ populated, registered 4-worker region (this process is rank 0, two tensors per w
   (a) a 1 GiB contiguous pinned copy: the link's peak, one way and both ways at once;
   (b) vLLM's method: one cuMemcpyBatchAsync per job for all of its copies (kvshm's DMA backend
       with no chunking, so the same planner and, for stores, its address-sorted order);
-  (c) kvshm's handler end to end: pointer math, backend choice, issue, completion.
+  (c) kvshm's handler end to end: pointer math, backend choice, issue, completion; built by
+      the plugin's own factory (HandlerLayout.handler), as the plugin's assembly builds a
+      worker's handlers where nothing was measured or forced (the choice per job by block
+      size).
 Each timing of (b) and (c) moves 1 GiB, as (a) does: 64 MiB jobs over all of rank 0's rows,
 swept four times with fresh random ids (--pass-mib 256 times a single sweep: a burst).
 Also both directions at once, the CPU time transfer_async takes per block, and which backend
@@ -55,10 +58,10 @@ from prometheus_client import REGISTRY  # noqa: E402
 from kvshm.region import RegionLayout, SharedOffloadRegion  # noqa: E402
 from kvshm.transfer import (  # noqa: E402
     CanonicalKVCacheRef,
-    CpuGpuOffloadingHandlers,
     CPULoadStoreSpec,
     Direction,
     GPULoadStoreSpec,
+    HandlerLayout,
     SingleDirectionOffloadingHandler,
     TransferOptions,
 )
@@ -89,7 +92,7 @@ class Setup:
     block: int
     creator: SharedOffloadRegion
     region: SharedOffloadRegion
-    pair: CpuGpuOffloadingHandlers
+    views: HandlerLayout
     stores: Specs
     loads: Specs
     copies_per_pass: int
@@ -102,19 +105,11 @@ class Setup:
         return self.stores if direction == "D2H" else self.loads
 
     def handler(self, direction: str, **kwargs: Any) -> SingleDirectionOffloadingHandler:
-        """A fresh handler over the pair's tensors (backend=, options= as the handler takes)."""
-        pair = self.pair
-        return SingleDirectionOffloadingHandler(
-            pair.gpu_tensors,
-            pair.cpu_tensors,
-            1,
-            pair.gpu_to_cpu_handler.kv_cache_groups_data_refs,
-            gpu_to_cpu=direction == "D2H",
-            **kwargs,
-        )
+        """A fresh handler over rank 0's views, as the plugin's assembly builds one (backend=,
+        options= as the handler takes)."""
+        return self.views.handler(direction == "D2H", **kwargs)
 
     def close(self) -> None:
-        self.pair.shutdown()
         self.region.cleanup()
         self.creator.cleanup()
 
@@ -135,7 +130,7 @@ def make_setup(
         for _ in range(tensors)
     ]
     refs = [[CanonicalKVCacheRef(t, block) for t in range(tensors)]]
-    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, pin=False)
+    views = HandlerLayout.over_region(gpu, region, 1, refs)
     per_job = max(1, JOB_BYTES // (tensors * block))
     sweeps = max(1, pass_bytes // (rows * tensors * block))
     stores, loads = [], []
@@ -146,7 +141,7 @@ def make_setup(
             gpu_spec = GPULoadStoreSpec(g, [len(g)], [0])
             stores.append((gpu_spec, CPULoadStoreSpec(c)))
             loads.append((CPULoadStoreSpec(c), gpu_spec))
-    return Setup(block, creator, region, pair, stores, loads, sweeps * rows * tensors)
+    return Setup(block, creator, region, views, stores, loads, sweeps * rows * tensors)
 
 
 def jobs_by_backend(handlers: Sequence[SingleDirectionOffloadingHandler]) -> dict[str, float]:

@@ -31,9 +31,9 @@ from bench.common.gpu import GIB, KIB, MIB, gbps, median_seconds, wall  # noqa: 
 
 from kvshm.region import RegionFormat, RegionLayout, SharedOffloadRegion  # noqa: E402
 from kvshm.region.shared_region import OpenMode  # noqa: E402
-from kvshm.transfer.backends.cuda_driver import CopyDirection, cuda_driver  # noqa: E402
 from kvshm.transfer.backends.dma import DmaBackend  # noqa: E402
-from kvshm.transfer.batch import CopyBatch  # noqa: E402
+from kvshm.transfer.cuda.driver import CopyDirection, cuda_driver  # noqa: E402
+from kvshm.transfer.jobs.batch import CopyBatch  # noqa: E402
 
 QWEN_CELL = 917504  # Qwen2.5-7B TP1: 28 layers x 32 KiB (K and V) a block
 PIECES = (GIB, 8 * MIB, 2 * MIB, 896 * KIB, 256 * KIB)

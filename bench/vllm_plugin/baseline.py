@@ -52,7 +52,7 @@ def vllm_dma_note() -> str:
         return "vLLM's compiled swap_blocks_batch (vllm._C)"
     except (AttributeError, RuntimeError):
         pass
-    from kvshm.transfer.backends.cuda_driver import (
+    from kvshm.transfer.cuda.driver import (
         CU_MEMCPY_SRC_ACCESS_ORDER_ANY,
         CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
         CUmemcpyAttributes,

@@ -67,7 +67,7 @@ from tests.vllm_plugin.layouts import (  # noqa: E402
 )
 from tests.vllm_plugin.regions import agent_region, remove_region  # noqa: E402
 
-from kvshm.transfer.chooser import BACKEND_NAMES, COPY_ENGINES  # noqa: E402
+from kvshm.transfer.choice.chooser import BACKEND_NAMES, COPY_ENGINES  # noqa: E402
 from kvshm.vllm.attach import attach_region  # noqa: E402
 from kvshm.vllm.geometry import RegionGeometry  # noqa: E402
 from kvshm.vllm.worker import KvshmOffloadingWorker  # noqa: E402

@@ -20,9 +20,10 @@ from kvshm.region import RegionLayout, SharedOffloadRegion
 from kvshm.region.shared_region import OpenMode
 from kvshm.transfer import (
     CanonicalKVCacheRef,
-    CpuGpuOffloadingHandlers,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
+    HandlerAssembly,
+    HandlerLayout,
 )
 
 MAX_BLOCKS_PER_JOB = 16
@@ -52,7 +53,8 @@ def main() -> None:
         mode=OpenMode.ATTACH,
     )
     gpu = [torch.zeros((args.num_blocks, args.cpu_page_size), dtype=torch.int8)]
-    pair = CpuGpuOffloadingHandlers(gpu, region, 1, [[CanonicalKVCacheRef(0, args.cpu_page_size)]])
+    refs = [[CanonicalKVCacheRef(0, args.cpu_page_size)]]
+    handlers = HandlerAssembly(HandlerLayout.over_region(gpu, region, 1, refs)).build()
     start_http_server(args.port, addr="127.0.0.1")
     print(f"serving metrics on 127.0.0.1:{args.port}", flush=True)
     rng = np.random.default_rng(0)
@@ -64,15 +66,15 @@ def main() -> None:
         gpu_spec = GPULoadStoreSpec(gpu_ids, [count], [0])
         cpu_spec = CPULoadStoreSpec(cpu_ids)
         for handler, spec in (
-            (pair.gpu_to_cpu_handler, (gpu_spec, cpu_spec)),
-            (pair.cpu_to_gpu_handler, (cpu_spec, gpu_spec)),
+            (handlers.store, (gpu_spec, cpu_spec)),
+            (handlers.load, (cpu_spec, gpu_spec)),
         ):
             job_id += 1
             handler.transfer_async(job_id, spec)
             handler.wait([job_id])
             handler.get_finished()
         stop.wait(args.pause_seconds)
-    pair.shutdown()
+    handlers.shutdown()
     region.cleanup()
 
 

@@ -102,7 +102,7 @@ def test_segmented_region_pins_across_files_and_dma_lands_in_each_file(shm_dir: 
 def test_a_worker_registers_only_its_cells_where_that_pays(shm_dir: Path) -> None:
     """4 MiB cells of 2 workers: rank 1 registers its cells (half of each row) and the bytes of
     its views round-trip; a replicated layout registers whole rows."""
-    from kvshm.transfer.backends.cuda_driver import CudaDriver
+    from kvshm.transfer.cuda.driver import CudaDriver
 
     driver = CudaDriver()
     cell = 4 * 1024**2
@@ -140,7 +140,7 @@ def test_a_region_on_huge_pages_registers_and_round_trips(
     TP 4 cells: 1.25 MiB, not whole huge pages) rank 1's cells alone, registration pieces
     ending inside huge pages; DMA both ways lands in rank 1's cells."""
     from kvshm.region import memory
-    from kvshm.transfer.backends.cuda_driver import CudaDriver
+    from kvshm.transfer.cuda.driver import CudaDriver
 
     driver = CudaDriver()
     cell = 1310720

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvshm.region import RegionFormat, RegionLayout, SharedOffloadRegion
 from kvshm.transfer import CanonicalKVCacheRef
-from kvshm.transfer.pointers import RowGeometry
+from kvshm.transfer.jobs.pointers import RowGeometry
 
 GPU_ROWS = 48
 CPU_ROWS = 64
@@ -106,7 +106,7 @@ T = TypeVar("T")
 def on_a_new_thread(work: Callable[[], T]) -> T:
     """work()'s result (or its exception), run on a thread started now, which has no CUDA
     context current. Fails if that thread had one: the test would show nothing."""
-    from kvshm.transfer.backends.cuda_driver import cuda_driver
+    from kvshm.transfer.cuda.driver import cuda_driver
 
     def run() -> tuple[bool, T]:
         return cuda_driver().has_current_context(), work()

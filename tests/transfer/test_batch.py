@@ -7,7 +7,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.jobs.batch import CopyBatch
 
 
 def batch_of(src: list[int], dst: list[int], sizes: list[int]) -> CopyBatch:

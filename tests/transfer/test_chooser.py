@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from kvshm.transfer import BackendPolicy, BackendUnavailableError, Direction
-from kvshm.transfer.backends.base import CopyBackend, Stream
-from kvshm.transfer.backends.cuda_driver import CopyDirection, CudaDriver
+from kvshm.transfer.backends.base import CopyBackend
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.staged import StagedBackend
-from kvshm.transfer.batch import CopyBatch
-from kvshm.transfer.chooser import BackendChooser
-from kvshm.transfer.uniform import UniformLayout
+from kvshm.transfer.choice.chooser import BackendChooser
+from kvshm.transfer.cuda.driver import CopyDirection, CudaDriver
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.uniform import UniformLayout
+from kvshm.transfer.jobs.work import Stream
 
 from .helpers import cpu_views, gpu_views, one_group
 

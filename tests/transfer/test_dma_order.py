@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 
 from kvshm.transfer import CPULoadStoreSpec, GPULoadStoreSpec
-from kvshm.transfer.backends.cuda_driver import (
+from kvshm.transfer.backends.dma import SORT_BELOW_BYTES, DmaBackend
+from kvshm.transfer.cuda.driver import (
     CUDA_ERROR_INVALID_VALUE,
     CUDA_SUCCESS,
     CopyDirection,
     CudaDriver,
 )
-from kvshm.transfer.backends.dma import SORT_BELOW_BYTES, DmaBackend
-from kvshm.transfer.batch import CopyBatch
-from kvshm.transfer.plan import JobPlanner
-from kvshm.transfer.uniform import UniformLayout
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.plan import JobPlanner
+from kvshm.transfer.jobs.uniform import UniformLayout
 
 from .helpers import CPU_ROWS, GPU_ROWS, cpu_views, gpu_views, one_group
 
@@ -170,7 +170,7 @@ def test_a_stream_the_driver_refuses_with_a_context_current_falls_back_to_single
 
 
 def uniform(refs: int, page: int, gpu_to_cpu: bool, gpu_descending: bool) -> tuple[Any, Any]:
-    """A uniform layout (kvshm.transfer.uniform) over `refs` tensors of one page a block, and
+    """A uniform layout (kvshm.transfer.jobs.uniform) over `refs` tensors of one page a block, and
     the general planner of the same tensors. gpu_descending: the tensors' GPU bases run
     against their cells' order."""
     pages = [page] * refs

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshm.transfer.backends.cuda_driver import CopyDirection, cuda_driver
 from kvshm.transfer.backends.dma import DmaBackend
-from kvshm.transfer.batch import CopyBatch
-from kvshm.transfer.streams import give_back, own_stream
+from kvshm.transfer.cuda.driver import CopyDirection, cuda_driver
+from kvshm.transfer.cuda.streams import give_back, own_stream
+from kvshm.transfer.jobs.batch import CopyBatch
 
 from .helpers import on_a_new_thread
 

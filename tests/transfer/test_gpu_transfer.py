@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,15 +14,16 @@ from kvshm.region import SharedOffloadRegion
 from kvshm.transfer import (
     BackendUnavailableError,
     CanonicalKVCacheRef,
-    CpuGpuOffloadingHandlers,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
+    HandlerLayout,
+    SingleDirectionOffloadingHandler,
     TransferOptions,
 )
 from kvshm.transfer.backends.kernel import CompiledLaunch, KernelBackend
 from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.backends.strided import StridedBackend
-from kvshm.transfer.streams import own_stream
+from kvshm.transfer.cuda.streams import own_stream
 
 from .helpers import open_region, placements, region_bytes, unpadded
 
@@ -58,6 +59,26 @@ def random_block_data(blocks: int, width: int, count: int) -> list[torch.Tensor]
         torch.randint(-128, 128, (blocks, width), dtype=torch.int8, device="cuda")
         for _ in range(count)
     ]
+
+
+def store_and_load(
+    gpu: Sequence[torch.Tensor],
+    region: SharedOffloadRegion,
+    factor: int,
+    refs: Any,
+    **kwargs: Any,
+) -> tuple[SingleDirectionOffloadingHandler, SingleDirectionOffloadingHandler]:
+    """A store and a load handler over this rank's views of the region, built as the plugin's
+    assembly builds each, the region registered first as the plugin's worker has it by its
+    first transfer (kwargs: backend=, options= for both)."""
+    region.pin()
+    layout = HandlerLayout.over_region(gpu, region, factor, refs)
+    return layout.handler(True, **kwargs), layout.handler(False, **kwargs)
+
+
+def shut_down(*handlers: SingleDirectionOffloadingHandler) -> None:
+    for handler in handlers:
+        handler.shutdown()
 
 
 def run(handler: Any, job_id: int, spec: Any) -> None:
@@ -104,13 +125,13 @@ def test_round_trip_is_byte_exact(
     workers = []
     for region in regions:
         gpu = random_block_data(num_blocks + 8, block, 2)
-        pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, **BACKENDS[backend])
+        store, load = store_and_load(gpu, region, 1, refs, **BACKENDS[backend])
         assert region.is_pinned
         gpu_ids = rng.permutation(num_blocks + 8)[:num_blocks]
         cpu_ids = rng.permutation(num_blocks)
         spec = (GPULoadStoreSpec(gpu_ids, [num_blocks], [0]), CPULoadStoreSpec(cpu_ids))
-        run(pair.gpu_to_cpu_handler, 1, spec)
-        workers.append((pair, gpu, gpu_ids, cpu_ids))
+        run(store, 1, spec)
+        workers.append(((store, load), gpu, gpu_ids, cpu_ids))
 
     rows = region_bytes(regions[0])
     for rank, (_, gpu, gpu_ids, cpu_ids) in enumerate(workers):
@@ -119,18 +140,18 @@ def test_round_trip_is_byte_exact(
             sent = gpu[t][torch.from_numpy(gpu_ids).cuda()].cpu().numpy().view(np.uint8)
             assert np.array_equal(cell[:, t * block : (t + 1) * block], sent), (rank, t)
 
-    for pair, gpu, gpu_ids, cpu_ids in workers:
+    for (store, load), gpu, gpu_ids, cpu_ids in workers:
         originals = [t[torch.from_numpy(gpu_ids).cuda()].clone() for t in gpu]
         for tensor in gpu:
             tensor.fill_(0x33)
         load_to = rng.permutation(num_blocks + 8)[:num_blocks]
         spec = (CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(load_to, [num_blocks], [0]))
-        run(pair.cpu_to_gpu_handler, 2, spec)
+        run(load, 2, spec)
         for tensor, original in zip(gpu, originals, strict=True):
             assert torch.equal(tensor[torch.from_numpy(load_to).cuda()], original)
             untouched = np.setdiff1d(np.arange(num_blocks + 8), load_to)
             assert bool((tensor[torch.from_numpy(untouched).cuda()] == 0x33).all())
-        pair.shutdown()
+        shut_down(store, load)
 
 
 @pytest.mark.parametrize("tensors", [1, 4], ids=["block-outer", "four-tensors"])
@@ -144,8 +165,7 @@ def test_uniform_dma_jobs_take_their_tables_from_the_ids_byte_exact(
     page, region, rank = 1024 * KIB // tensors, regions[2], 2
     gpu = random_block_data(40, page, tensors)
     refs = [[CanonicalKVCacheRef(t, page) for t in range(tensors)]]
-    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs)
-    store, load = pair.gpu_to_cpu_handler, pair.cpu_to_gpu_handler
+    store, load = store_and_load(gpu, region, 1, refs)
 
     def planned(spec: object) -> None:
         raise AssertionError("a uniform DMA job went to the general planner")
@@ -163,7 +183,7 @@ def test_uniform_dma_jobs_take_their_tables_from_the_ids_byte_exact(
         sent = gpu[t][ids].cpu().numpy().view(np.uint8)
         assert np.array_equal(cells[:, t * page : (t + 1) * page], sent), t
     loads_back_exactly(load, gpu, ids, cpu_ids, rng.permutation(40)[:24], 0x21)
-    pair.shutdown()
+    shut_down(store, load)
 
 
 GROUP_REFS = [
@@ -178,13 +198,13 @@ def test_groups_with_partial_cpu_blocks(backend: str, regions: list[SharedOffloa
     factor, sizes, starts = 4, [6, 5], [3, 5]
     region = regions[1]
     gpu = random_block_data(40, 4096, 3)
-    pair = CpuGpuOffloadingHandlers(gpu, region, factor, GROUP_REFS, **BACKENDS[backend])
+    store, load = store_and_load(gpu, region, factor, GROUP_REFS, **BACKENDS[backend])
     rng = np.random.default_rng(7)
     gpu_ids = rng.permutation(40)[:11]
     cpu_ids = rng.permutation(24)[:5]
     before = region_bytes(region).copy()
     run(
-        pair.gpu_to_cpu_handler,
+        store,
         1,
         (GPULoadStoreSpec(gpu_ids, sizes, starts), CPULoadStoreSpec(cpu_ids)),
     )
@@ -199,7 +219,7 @@ def test_groups_with_partial_cpu_blocks(backend: str, regions: list[SharedOffloa
     for tensor in gpu:
         tensor.zero_()
     run(
-        pair.cpu_to_gpu_handler,
+        load,
         2,
         (CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(gpu_ids, sizes, starts)),
     )
@@ -207,7 +227,7 @@ def test_groups_with_partial_cpu_blocks(backend: str, regions: list[SharedOffloa
         got = gpu[p.tensor][p.gpu_id].cpu().numpy().view(np.uint8)
         assert np.array_equal(got[: p.size], host[p.tensor][p.gpu_id, : p.size])
         assert not got[p.size :].any()
-    pair.shutdown()
+    shut_down(store, load)
 
 
 @pytest.mark.parametrize("backend", ["auto", "staged"])
@@ -221,13 +241,12 @@ def test_jobs_finish_in_order_while_another_stream_computes(
     gpu = random_block_data(64, block, 1)
     options = TransferOptions(stream_per_job=stream_per_job)
     refs = [[CanonicalKVCacheRef(0, block)]]
-    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, options=options, **BACKENDS[backend])
+    store, load = store_and_load(gpu, region, 1, refs, options=options, **BACKENDS[backend])
     compute = torch.cuda.Stream()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     fresh = torch.randint(-128, 128, (8, block), dtype=torch.int8, device="cuda")
     # a job under the default stream first: each job must follow the stream current at its
     # own submission, not one the handler saw before
-    store = pair.gpu_to_cpu_handler
     assert store.transfer_async(99, (GPULoadStoreSpec([9], [1], [0]), CPULoadStoreSpec([9])))
     store.wait([99])
     assert [r.job_id for r in store.get_finished()] == [99]
@@ -237,17 +256,16 @@ def test_jobs_finish_in_order_while_another_stream_computes(
         gpu[0][:8].copy_(fresh)  # written by the compute stream, after all that
         for job in range(8):  # submitted with the compute stream current
             spec = (GPULoadStoreSpec([job], [1], [0]), CPULoadStoreSpec([job]))
-            assert pair.gpu_to_cpu_handler.transfer_async(job, spec)
-    assert pair.gpu_to_cpu_handler.get_finished() == []  # still behind the compute stream
+            assert store.transfer_async(job, spec)
+    assert store.get_finished() == []  # still behind the compute stream
     finished: list[int] = []
     while len(finished) < 8:
-        finished += [r.job_id for r in pair.gpu_to_cpu_handler.get_finished()]
+        finished += [r.job_id for r in store.get_finished()]
     assert finished == list(range(8))
     rows = region_bytes(region)
     assert np.array_equal(rows[:8, :block], fresh.cpu().numpy().view(np.uint8))
 
     # loads: each job overwrites GPU block 0; only in-order execution leaves the last one there
-    load = pair.cpu_to_gpu_handler
     with torch.cuda.stream(compute):
         for _ in range(50):
             torch.mm(a, a)
@@ -258,7 +276,7 @@ def test_jobs_finish_in_order_while_another_stream_computes(
     load.wait([107])
     assert [r.job_id for r in load.get_finished()] == [100 + j for j in range(8)]
     assert torch.equal(gpu[0][0], fresh[7])
-    pair.shutdown()
+    shut_down(store, load)
 
 
 @pytest.mark.parametrize("regions", [(8, 64 * KIB)], indirect=True)
@@ -269,16 +287,17 @@ def test_unpinned_region_copies_by_dma_and_refuses_the_kernel(
     gpu = random_block_data(8, 64 * KIB, 1)
     refs = [[CanonicalKVCacheRef(0, 64 * KIB)]]
     with pytest.raises(BackendUnavailableError, match="not registered with CUDA"):
-        CpuGpuOffloadingHandlers(gpu, region, 1, refs, pin=False, backend="kernel")
+        HandlerLayout.over_region(gpu, region, 1, refs).handler(True, backend="kernel")
     other = regions[1]
-    pair = CpuGpuOffloadingHandlers(gpu, other, 1, refs, pin=False)
+    layout = HandlerLayout.over_region(gpu, other, 1, refs)
+    store, load = layout.handler(True), layout.handler(False)
     assert not other.is_pinned
-    assert pair.gpu_to_cpu_handler.backends == ["dma"]
+    assert store.backends == ["dma"]
     ids = np.arange(8)
-    run(pair.gpu_to_cpu_handler, 1, (GPULoadStoreSpec(ids, [8], [0]), CPULoadStoreSpec(ids)))
+    run(store, 1, (GPULoadStoreSpec(ids, [8], [0]), CPULoadStoreSpec(ids)))
     rows = region_bytes(other)
     assert np.array_equal(rows[:, 64 * KIB : 128 * KIB], gpu[0].cpu().numpy().view(np.uint8))
-    pair.shutdown()
+    shut_down(store, load)
 
 
 @pytest.mark.parametrize("regions", [(32, 8 * 16 * KIB)], indirect=True)
@@ -298,22 +317,22 @@ def test_a_layer_outer_cache_in_one_allocation_moves_by_2d_copies_byte_exact(
         copy_uniform(self, job, stream, after)
 
     monkeypatch.setattr(StridedBackend, "copy_uniform", counted)
-    pair = CpuGpuOffloadingHandlers(list(backing), region, 1, refs, backend="strided")
+    store, load = store_and_load(list(backing), region, 1, refs, backend="strided")
     rng = np.random.default_rng(7)
     gpu_ids, cpu_ids = rng.permutation(blocks)[:count], rng.permutation(count)
     gpu_spec = GPULoadStoreSpec(gpu_ids, [count], [0])
-    run(pair.gpu_to_cpu_handler, 1, (gpu_spec, CPULoadStoreSpec(cpu_ids)))
+    run(store, 1, (gpu_spec, CPULoadStoreSpec(cpu_ids)))
     on_gpu = torch.from_numpy(gpu_ids).cuda()
     sent = backing[:, on_gpu].permute(1, 0, 2).reshape(count, -1).cpu().numpy().view(np.uint8)
     assert np.array_equal(region_bytes(region)[cpu_ids, : layers * page], sent)
     original = backing.clone()
     backing.fill_(0x33)
-    run(pair.cpu_to_gpu_handler, 2, (CPULoadStoreSpec(cpu_ids), gpu_spec))
+    run(load, 2, (CPULoadStoreSpec(cpu_ids), gpu_spec))
     assert torch.equal(backing[:, on_gpu], original[:, on_gpu])
     untouched = torch.from_numpy(np.setdiff1d(np.arange(blocks), gpu_ids)).cuda()
     assert bool((backing[:, untouched] == 0x33).all())
     assert calls == [count, count]  # each job by one 2-D copy a block, not by DMA
-    pair.shutdown()
+    shut_down(store, load)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct-launch", "triton-jit"])
@@ -333,11 +352,11 @@ def test_copy_kernel_launches_directly_or_through_triton_byte_exact(
     region = regions[0]
     gpu = random_block_data(40, 16 * KIB, 2)
     refs = [[CanonicalKVCacheRef(0, 16 * KIB), CanonicalKVCacheRef(1, 16 * KIB)]]
-    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, backend="kernel")
+    store, load = store_and_load(gpu, region, 1, refs, backend="kernel")
     rng = np.random.default_rng(7)
     gpu_ids, cpu_ids = rng.permutation(40)[:32], rng.permutation(32)
     run(
-        pair.gpu_to_cpu_handler,
+        store,
         1,
         (GPULoadStoreSpec(gpu_ids, [32], [0]), CPULoadStoreSpec(cpu_ids)),
     )
@@ -349,13 +368,13 @@ def test_copy_kernel_launches_directly_or_through_triton_byte_exact(
     for tensor in gpu:
         tensor.zero_()
     run(
-        pair.cpu_to_gpu_handler,
+        load,
         2,
         (CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(gpu_ids, [32], [0])),
     )
     for tensor, original in zip(gpu, originals, strict=True):
         assert torch.equal(tensor[torch.from_numpy(gpu_ids).cuda()], original)
-    pair.shutdown()
+    shut_down(store, load)
 
 
 @pytest.mark.parametrize("regions", [(64, 2 * 16 * KIB)], indirect=True)
@@ -367,8 +386,7 @@ def test_kernel_jobs_borrow_a_pinned_table_and_give_it_back(
     region = regions[0]
     gpu = random_block_data(64, 16 * KIB, 2)
     refs = [[CanonicalKVCacheRef(0, 16 * KIB), CanonicalKVCacheRef(1, 16 * KIB)]]
-    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, backend="kernel")
-    store = pair.gpu_to_cpu_handler
+    store, load = store_and_load(gpu, region, 1, refs, backend="kernel")
     rng = np.random.default_rng(13)
     lent = []
     for job in range(2):
@@ -383,7 +401,7 @@ def test_kernel_jobs_borrow_a_pinned_table_and_give_it_back(
             sent = gpu[t][torch.from_numpy(gpu_ids).cuda()].cpu().numpy().view(np.uint8)
             assert np.array_equal(cell[:, t * 16 * KIB : (t + 1) * 16 * KIB], sent)
     assert lent[0] is lent[1] is not None  # given back when retired, lent again
-    pair.shutdown()
+    shut_down(store, load)
 
 
 def test_a_hook_on_tritons_launches_sees_the_copy_kernel() -> None:
@@ -431,19 +449,18 @@ def test_many_layers_of_small_pages_are_staged_and_byte_exact(
     gpu = random_block_data(num_blocks + 16, PAGE, LAYERS)
     refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
     options = TransferOptions(staging_buffer_bytes=2 * 1024 * KIB, staging_buffers=2)
-    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, options=options)
+    store, load = store_and_load(gpu, region, 1, refs, options=options)
     rng = np.random.default_rng(3)
     gpu_ids = rng.permutation(num_blocks + 16)[:num_blocks]
     cpu_ids = rng.permutation(num_blocks)
-    store = pair.gpu_to_cpu_handler
     halves = np.array_split(np.arange(num_blocks), 2)
     specs = [
         (GPULoadStoreSpec(gpu_ids[h], [len(h)], [0]), CPULoadStoreSpec(cpu_ids[h])) for h in halves
     ]
     assert store._chooser.choose(store._planner.plan(specs[0])).name == "staged"
     # one group, one block per chunk, pages back to back in the cell: the jobs are planned
-    # from their ids alone (kvshm.transfer.uniform), in pieces of 4 cells per buffer
-    for handler in (store, pair.cpu_to_gpu_handler):
+    # from their ids alone (kvshm.transfer.jobs.uniform), in pieces of 4 cells per buffer
+    for handler in (store, load):
         uniform = handler._router.uniform_backend(None)
         assert uniform is not None and uniform.name == "staged"
     for job, spec in enumerate(specs):
@@ -461,14 +478,13 @@ def test_many_layers_of_small_pages_are_staged_and_byte_exact(
     for tensor in gpu:
         tensor.fill_(0x5A)
     load_to = rng.permutation(num_blocks + 16)[:num_blocks]
-    load = pair.cpu_to_gpu_handler
     spec = (CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(load_to, [num_blocks], [0]))
     assert load._chooser.choose(load._planner.plan(spec)).name == "staged"
     run(load, 7, spec)
     targets = torch.from_numpy(load_to).cuda()
     for tensor, original in zip(gpu, originals, strict=True):
         assert torch.equal(tensor[targets], original)
-    pair.shutdown()
+    shut_down(store, load)
 
 
 @pytest.mark.parametrize("path", ["uniform", "general"])
@@ -483,8 +499,7 @@ def test_staged_jobs_reuse_their_kernel_tables_once_retired_byte_exact(
     region = regions[0]
     gpu = random_block_data(64, PAGE, LAYERS)
     refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
-    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, backend="staged")
-    store = pair.gpu_to_cpu_handler
+    store, load = store_and_load(gpu, region, 1, refs, backend="staged")
     staged = store._router.uniform_backend("staged")
     assert isinstance(staged, StagedBackend)
     if path == "uniform":
@@ -512,7 +527,7 @@ def test_staged_jobs_reuse_their_kernel_tables_once_retired_byte_exact(
         for t in range(LAYERS):
             assert np.array_equal(rows[:, t], gpu[t][ids].cpu().numpy().view(np.uint8)), t
     assert len(lent[0]) == 4 and lent[1] == lent[0]  # the same four tables, lent again
-    pair.shutdown()
+    shut_down(store, load)
 
 
 @pytest.mark.parametrize("regions", [(64, LAYERS * PAGE)], indirect=True)
@@ -526,27 +541,27 @@ def test_jobs_wait_for_no_work_on_torchs_pooled_streams(
     copy on is a pooled one."""
     gpu = random_block_data(64, PAGE, LAYERS)
     refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
-    pair = CpuGpuOffloadingHandlers(gpu, regions[0], 1, refs, backend="staged")
+    store, load = store_and_load(gpu, regions[0], 1, refs, backend="staged")
     rng = np.random.default_rng(5)
     ids = rng.permutation(64)[:16], rng.permutation(64)[:16]
-    run(pair.gpu_to_cpu_handler, 1, (GPULoadStoreSpec(ids[0], [16], [0]), CPULoadStoreSpec(ids[1])))
+    run(store, 1, (GPULoadStoreSpec(ids[0], [16], [0]), CPULoadStoreSpec(ids[1])))
     pooled = [torch.cuda.Stream(priority=p) for p in (0, -1) for _ in range(64)]
     for stream in pooled:
         with torch.cuda.stream(stream):
             torch.cuda._sleep(2_000_000_000)  # about a second
-    run(pair.gpu_to_cpu_handler, 2, (GPULoadStoreSpec(ids[0], [16], [0]), CPULoadStoreSpec(ids[1])))
-    run(pair.cpu_to_gpu_handler, 3, (CPULoadStoreSpec(ids[1]), GPULoadStoreSpec(ids[0], [16], [0])))
+    run(store, 2, (GPULoadStoreSpec(ids[0], [16], [0]), CPULoadStoreSpec(ids[1])))
+    run(load, 3, (CPULoadStoreSpec(ids[1]), GPULoadStoreSpec(ids[0], [16], [0])))
     still_sleeping = sum(not stream.query() for stream in pooled)
     torch.cuda.synchronize()
     assert still_sleeping > 0
-    handlers = (pair.gpu_to_cpu_handler, pair.cpu_to_gpu_handler)
+    handlers = (store, load)
     ours = {h._timeline._streams[0].cuda_stream for h in handlers}
     for handler in handlers:
         staged = handler._router.uniform_backend("staged")
         assert isinstance(staged, StagedBackend)
         ours |= {s.cuda_stream for s in (staged._fill_stream, staged._out_stream) if s}
     assert len(ours) == 5 and not ours & {stream.cuda_stream for stream in pooled}
-    pair.shutdown()
+    shut_down(store, load)
     given_back = {own_stream(torch.device("cuda")).cuda_stream for _ in range(5)}
     assert given_back == ours  # the handlers' streams, lent again after their shutdown
 
@@ -570,8 +585,7 @@ def test_uniform_jobs_move_by_the_page_kernel_byte_exact(
     gpu = random_block_data(64, PAGE, LAYERS)
     refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
     options = TransferOptions(staging_buffer_bytes=20 * LAYERS * PAGE, staging_buffers=2)
-    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, options=options, backend="staged")
-    store, load = pair.gpu_to_cpu_handler, pair.cpu_to_gpu_handler
+    store, load = store_and_load(gpu, region, 1, refs, options=options, backend="staged")
     for handler in (store, load):
         staged = handler._router.uniform_backend("staged")
         assert isinstance(staged, StagedBackend)
@@ -591,7 +605,7 @@ def test_uniform_jobs_move_by_the_page_kernel_byte_exact(
     assert not rows[:, : LAYERS * PAGE].any()  # the other workers' cells untouched
 
     loads_back_exactly(load, gpu, ids, cpu_ids, rng.permutation(64)[:48], 0x5A)
-    pair.shutdown()
+    shut_down(store, load)
 
 
 @pytest.mark.parametrize("regions", [(16, LAYERS * PAGE)], indirect=True)
@@ -603,14 +617,13 @@ def test_staging_buffers_that_do_not_fit_the_gpu_leave_staging_out(
     gpu = random_block_data(16, PAGE, LAYERS)
     refs = [[CanonicalKVCacheRef(t, PAGE) for t in range(LAYERS)]]
     too_much = TransferOptions(staging_buffer_bytes=1 << 50)  # a petabyte per buffer
-    pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs, options=too_much)
-    store = pair.gpu_to_cpu_handler
+    store, load = store_and_load(gpu, region, 1, refs, options=too_much)
     assert "staged" not in store.backends and "kernel" in store.backends
     ids = np.arange(16)
     run(store, 1, (GPULoadStoreSpec(ids, [16], [0]), CPULoadStoreSpec(ids)))
     cells = region_bytes(region)[:, : LAYERS * PAGE].reshape(16, LAYERS, PAGE)
     assert np.array_equal(cells[:, 5], gpu[5].cpu().numpy().view(np.uint8))
-    pair.shutdown()
+    shut_down(store, load)
 
 
 @pytest.mark.parametrize("regions", [(32, LAYERS * PAGE)], indirect=True)
@@ -619,7 +632,7 @@ def test_a_job_gets_the_beside_backend_while_the_other_direction_is_busy(
 ) -> None:
     """Stores by DMA while no load is in flight, staged while one is; every byte lands."""
     from kvshm.transfer import SingleDirectionOffloadingHandler as Handler
-    from kvshm.transfer.traffic import Traffic
+    from kvshm.transfer.choice.traffic import Traffic
 
     region = regions[1]
     gpu = random_block_data(32, PAGE, LAYERS)

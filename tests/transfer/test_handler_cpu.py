@@ -13,15 +13,17 @@ from prometheus_client import REGISTRY
 from kvshm.region import SharedOffloadRegion
 from kvshm.transfer import (
     CanonicalKVCacheRef,
-    CpuGpuOffloadingHandlers,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
+    HandlerAssembly,
     HandlerClosedError,
+    HandlerLayout,
     SingleDirectionOffloadingHandler,
     TransferResult,
+    WorkerHandlers,
 )
 from kvshm.transfer.backends.cpu import CpuMemmoveBackend
-from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.jobs.batch import CopyBatch
 
 from .helpers import open_region, placements, region_bytes, unpadded
 
@@ -51,11 +53,12 @@ def region(tmp_path: object) -> Iterator[SharedOffloadRegion]:
 
 
 @pytest.fixture
-def pair(region: SharedOffloadRegion) -> Iterator[CpuGpuOffloadingHandlers]:
+def handlers(region: SharedOffloadRegion) -> Iterator[WorkerHandlers]:
+    """A worker's handlers as the plugin builds them, over rank 2's views of the region."""
     gpu = [torch.randint(-128, 128, (NUM_GPU_BLOCKS, GPU_PAGE), dtype=torch.int8) for _ in range(3)]
-    handlers = CpuGpuOffloadingHandlers(gpu, region, FACTOR, REFS)
-    yield handlers
-    handlers.shutdown()
+    built = HandlerAssembly(HandlerLayout.over_region(gpu, region, FACTOR, REFS)).build()
+    yield built
+    built.shutdown()
 
 
 def random_ids(rng: np.random.Generator, high: int, count: int) -> np.ndarray:
@@ -72,7 +75,7 @@ def finish(handler: object, job_ids: list[int]) -> list[TransferResult]:
 
 
 def test_store_places_every_byte_and_nothing_else(
-    pair: CpuGpuOffloadingHandlers, region: SharedOffloadRegion
+    handlers: WorkerHandlers, region: SharedOffloadRegion
 ) -> None:
     rng = np.random.default_rng(1)
     gpu_ids = random_ids(rng, NUM_GPU_BLOCKS, sum(GROUP_SIZES))
@@ -81,11 +84,11 @@ def test_store_places_every_byte_and_nothing_else(
     cell_start = 2 * CELL  # rank 2
     for p in placements(gpu_ids, cpu_ids, GROUP_SIZES, BLOCK_INDICES, REFS, FACTOR):
         at = cell_start + p.tensor * GPU_PAGE * FACTOR + p.slot * GPU_PAGE
-        source = pair.gpu_tensors[p.tensor][p.gpu_id, : p.size].numpy().view(np.uint8)
+        source = handlers.store.gpu_tensors[p.tensor][p.gpu_id, : p.size].numpy().view(np.uint8)
         expected[p.cpu_id, at : at + p.size] = source
 
-    assert pair.gpu_to_cpu_handler.transfer_async(7, store_spec(gpu_ids, cpu_ids))
-    [result] = finish(pair.gpu_to_cpu_handler, [7])
+    assert handlers.store.transfer_async(7, store_spec(gpu_ids, cpu_ids))
+    [result] = finish(handlers.store, [7])
 
     assert result == TransferResult(
         7, True, 6 * 64 * 2 + 5 * 48, result.transfer_time, ("GPU", "CPU")
@@ -94,20 +97,20 @@ def test_store_places_every_byte_and_nothing_else(
     np.testing.assert_array_equal(region_bytes(region), expected)
 
 
-def test_load_brings_back_what_was_stored(pair: CpuGpuOffloadingHandlers) -> None:
+def test_load_brings_back_what_was_stored(handlers: WorkerHandlers) -> None:
     rng = np.random.default_rng(2)
     cpu_ids = random_ids(rng, NUM_CPU_BLOCKS, CPU_BLOCKS_USED)
     stored_from = random_ids(rng, NUM_GPU_BLOCKS, sum(GROUP_SIZES))
-    assert pair.gpu_to_cpu_handler.transfer_async(1, store_spec(stored_from, cpu_ids))
-    finish(pair.gpu_to_cpu_handler, [1])
-    originals = [t.clone() for t in pair.gpu_tensors]
-    for tensor in pair.gpu_tensors:
+    assert handlers.store.transfer_async(1, store_spec(stored_from, cpu_ids))
+    finish(handlers.store, [1])
+    originals = [t.clone() for t in handlers.store.gpu_tensors]
+    for tensor in handlers.store.gpu_tensors:
         tensor.fill_(0x33)
 
     load_to = random_ids(rng, NUM_GPU_BLOCKS, sum(GROUP_SIZES))
     spec = (CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(load_to, GROUP_SIZES, BLOCK_INDICES))
-    assert pair.cpu_to_gpu_handler.transfer_async(2, spec)
-    [result] = finish(pair.cpu_to_gpu_handler, [2])
+    assert handlers.load.transfer_async(2, spec)
+    [result] = finish(handlers.load, [2])
 
     assert result.success and result.transfer_type == ("CPU", "GPU")
     expected = [torch.full_like(t, 0x33) for t in originals]
@@ -119,7 +122,7 @@ def test_load_brings_back_what_was_stored(pair: CpuGpuOffloadingHandlers) -> Non
     for stored, loaded in moves:
         source = originals[stored.tensor][stored.gpu_id, : stored.size]
         expected[loaded.tensor][loaded.gpu_id, : loaded.size] = source
-    for got, want in zip(pair.gpu_tensors, expected, strict=True):
+    for got, want in zip(handlers.store.gpu_tensors, expected, strict=True):
         assert torch.equal(got, want)
 
 
@@ -135,12 +138,12 @@ def test_other_workers_cells_are_never_touched(tmp_path: object) -> None:
         for region in ranks:
             gpu = [torch.randint(-128, 128, (8, 32), dtype=torch.int8) for _ in range(2)]
             data[region.rank] = gpu
-            pair = CpuGpuOffloadingHandlers(gpu, region, 1, refs)
+            handlers = HandlerAssembly(HandlerLayout.over_region(gpu, region, 1, refs)).build()
             ids = np.arange(8)
-            pair.gpu_to_cpu_handler.transfer_async(
+            handlers.store.transfer_async(
                 0, (GPULoadStoreSpec(ids, [8], [0]), CPULoadStoreSpec(ids))
             )
-            pair.shutdown()
+            handlers.shutdown()
         rows = region_bytes(ranks[0])
         for rank, (k, v) in data.items():
             cell = rows[:, rank * 64 : (rank + 1) * 64]
@@ -183,10 +186,10 @@ def one_block_spec(gpu_id: int, cpu_id: int) -> tuple[object, object]:
 
 
 def test_jobs_finish_in_submission_order(
-    pair: CpuGpuOffloadingHandlers, monkeypatch: pytest.MonkeyPatch
+    handlers: WorkerHandlers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = Gate(monkeypatch)
-    handler = pair.gpu_to_cpu_handler
+    handler = handlers.store
     for job_id in (30, 10, 20):
         assert handler.transfer_async(job_id, one_block_spec(job_id // 10, job_id // 10))
     assert handler.get_finished() == []
@@ -204,10 +207,10 @@ def test_jobs_finish_in_submission_order(
 
 
 def test_wait_blocks_until_the_job_is_done_and_ignores_unknown_ids(
-    pair: CpuGpuOffloadingHandlers, monkeypatch: pytest.MonkeyPatch
+    handlers: WorkerHandlers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = Gate(monkeypatch)
-    handler = pair.gpu_to_cpu_handler
+    handler = handlers.store
     handler.transfer_async(1, one_block_spec(0, 0))
     threading.Timer(0.2, gate.opened.set).start()
     handler.wait([999, 1])
@@ -217,10 +220,10 @@ def test_wait_blocks_until_the_job_is_done_and_ignores_unknown_ids(
 
 
 def test_wait_retires_the_jobs_ahead_of_the_one_it_waits_for(
-    pair: CpuGpuOffloadingHandlers, monkeypatch: pytest.MonkeyPatch
+    handlers: WorkerHandlers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = Gate(monkeypatch)
-    handler = pair.gpu_to_cpu_handler
+    handler = handlers.store
     jobs = sample("kvshm_transfer_jobs_total", "gpu_to_cpu")
     for job_id in (1, 2, 3):
         handler.transfer_async(job_id, one_block_spec(job_id, job_id))
@@ -233,15 +236,15 @@ def test_wait_retires_the_jobs_ahead_of_the_one_it_waits_for(
 
 
 def test_a_wait_lets_another_handler_retire_what_it_finished_meanwhile(
-    pair: CpuGpuOffloadingHandlers, monkeypatch: pytest.MonkeyPatch
+    handlers: WorkerHandlers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gpu = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in pair.gpu_tensors]
+    gpu = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in handlers.store.gpu_tensors]
 
     def is_store(batch: CopyBatch) -> bool:
         return not any(low <= batch.dst[0] < high for low, high in gpu)
 
     gate = Gate(monkeypatch, holds=is_store)
-    store, load = pair.gpu_to_cpu_handler, pair.cpu_to_gpu_handler
+    store, load = handlers.store, handlers.load
     loads = sample("kvshm_transfer_jobs_total", "cpu_to_gpu")
     store.transfer_async(1, one_block_spec(1, 1))
     assert load.transfer_async(2, one_block_spec(2, 2)[::-1])
@@ -256,10 +259,10 @@ def test_a_wait_lets_another_handler_retire_what_it_finished_meanwhile(
 
 
 def test_shutdown_waits_for_all_jobs_then_refuses_new_ones(
-    pair: CpuGpuOffloadingHandlers, region: SharedOffloadRegion, monkeypatch: pytest.MonkeyPatch
+    handlers: WorkerHandlers, region: SharedOffloadRegion, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = Gate(monkeypatch)
-    handler = pair.gpu_to_cpu_handler
+    handler = handlers.store
     for job_id in range(3):
         handler.transfer_async(job_id, one_block_spec(job_id, job_id))
     threading.Timer(0.2, gate.opened.set).start()
@@ -269,7 +272,9 @@ def test_shutdown_waits_for_all_jobs_then_refuses_new_ones(
     for block in range(3):  # the last job's bytes are in the region
         at = 2 * CELL
         stored = rows[block, at : at + GPU_PAGE]
-        np.testing.assert_array_equal(stored, pair.gpu_tensors[0][block].numpy().view(np.uint8))
+        np.testing.assert_array_equal(
+            stored, handlers.store.gpu_tensors[0][block].numpy().view(np.uint8)
+        )
     with pytest.raises(HandlerClosedError, match="shut down"):
         handler.transfer_async(5, one_block_spec(0, 0))
     handler.shutdown()  # idempotent
@@ -283,19 +288,19 @@ def sample(name: str, direction: str) -> float:
 
 
 def test_a_failed_job_is_reported_and_counted_and_the_next_one_runs(
-    pair: CpuGpuOffloadingHandlers, monkeypatch: pytest.MonkeyPatch
+    handlers: WorkerHandlers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     original = CpuMemmoveBackend.copy
 
     def fail_job_two(
         backend: CpuMemmoveBackend, batch: CopyBatch, stream: object, after: object = None
     ) -> None:
-        if batch.src[0] == pair.gpu_tensors[0][2].data_ptr():
+        if batch.src[0] == handlers.store.gpu_tensors[0][2].data_ptr():
             raise OSError("simulated copy failure")
         original(backend, batch, stream)
 
     monkeypatch.setattr(CpuMemmoveBackend, "copy", fail_job_two)
-    handler = pair.gpu_to_cpu_handler
+    handler = handlers.store
     failures = sample("kvshm_transfer_failures_total", "gpu_to_cpu")
     jobs = sample("kvshm_transfer_jobs_total", "gpu_to_cpu")
     moved = sample("kvshm_transfer_bytes_total", "gpu_to_cpu")
@@ -310,7 +315,7 @@ def test_a_failed_job_is_reported_and_counted_and_the_next_one_runs(
 
 
 def test_metrics_count_bytes_seconds_and_sizes_per_direction(
-    pair: CpuGpuOffloadingHandlers,
+    handlers: WorkerHandlers,
 ) -> None:
     before = {
         name: sample(name, "cpu_to_gpu")
@@ -322,8 +327,8 @@ def test_metrics_count_bytes_seconds_and_sizes_per_direction(
         )
     }
     spec = (CPULoadStoreSpec([4]), GPULoadStoreSpec([9], [1, 0, 0], [0, 0, 0]))
-    pair.cpu_to_gpu_handler.transfer_async(1, spec)
-    finish(pair.cpu_to_gpu_handler, [1])
+    handlers.load.transfer_async(1, spec)
+    finish(handlers.load, [1])
     assert (
         sample("kvshm_transfer_bytes_total", "cpu_to_gpu")
         == before["kvshm_transfer_bytes_total"] + 128
@@ -342,10 +347,10 @@ def test_metrics_count_bytes_seconds_and_sizes_per_direction(
     assert sample("kvshm_transfer_seconds_total", "cpu_to_gpu") > 0
 
 
-def test_an_empty_job_finishes_with_zero_bytes(pair: CpuGpuOffloadingHandlers) -> None:
+def test_an_empty_job_finishes_with_zero_bytes(handlers: WorkerHandlers) -> None:
     spec = (GPULoadStoreSpec([], [0, 0, 0], [0, 0, 0]), CPULoadStoreSpec([]))
-    assert pair.gpu_to_cpu_handler.transfer_async(4, spec)
-    [result] = finish(pair.gpu_to_cpu_handler, [4])
+    assert handlers.store.transfer_async(4, spec)
+    [result] = finish(handlers.store, [4])
     assert (result.job_id, result.success, result.transfer_size) == (4, True, 0)
 
 

@@ -22,7 +22,7 @@ h.shutdown()
 loaded = [m for m in sys.modules if m == "triton" or m.startswith(("triton.", "cuda."))]
 assert not loaded, loaded
 assert "kvshm.transfer.backends.triton_copy" not in sys.modules
-import kvshm.transfer.backends.cuda_driver as driver
+import kvshm.transfer.cuda.driver as driver
 assert driver._driver is None
 print("ok")
 """

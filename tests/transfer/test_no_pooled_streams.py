@@ -1,4 +1,4 @@
-"""No kvshm module draws a stream from torch's pool (kvshm.transfer.streams says why): every
+"""No kvshm module draws a stream from torch's pool (kvshm.transfer.cuda.streams says why): every
 call of torch.cuda.Stream(...) in kvshm's sources would be one. Read from the source, so that it
 holds in CI, where no GPU builds a handler."""
 
@@ -51,4 +51,4 @@ def test_no_kvshm_module_draws_from_torchs_stream_pool() -> None:
         for path in modules
         if (lines := pooled_stream_calls(path.read_text()))
     }
-    assert found == {}, f"use kvshm.transfer.streams.own_stream instead: {found}"
+    assert found == {}, f"use kvshm.transfer.cuda.streams.own_stream instead: {found}"

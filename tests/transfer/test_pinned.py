@@ -1,12 +1,12 @@
-"""kvshm.transfer.pinned: descriptor tables lent to jobs, taken back when the jobs are done."""
+"""kvshm.transfer.cuda.pinned: descriptor tables lent to jobs, taken back when the jobs are done."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvshm.transfer.backends.base import Lease
-from kvshm.transfer.pinned import MIN_COLUMNS, PinnedTables
-from kvshm.transfer.timeline import CpuTimeline
+from kvshm.transfer.cuda.pinned import MIN_COLUMNS, PinnedTables
+from kvshm.transfer.jobs.work import Lease
+from kvshm.transfer.ordering.timeline import CpuTimeline
 
 
 def test_a_table_is_at_least_as_wide_as_asked_in_a_few_widths() -> None:

@@ -1,5 +1,5 @@
 """Which backend takes a job, and whether as a uniform job or through the general planner
-(kvshm.transfer.routing), with the real DMA, staged and strided backends on addresses only:
+(kvshm.transfer.choice.routing), with the real DMA, staged and strided backends on addresses only:
 nothing is issued."""
 
 from __future__ import annotations
@@ -20,18 +20,19 @@ from kvshm.transfer import (
     InvalidTransferSpecError,
 )
 from kvshm.transfer.backends import staged as staged_module
-from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
-from kvshm.transfer.backends.cuda_driver import CopyDirection, CudaDriver
+from kvshm.transfer.backends.base import BackendName, CopyBackend
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend
 from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.backends.strided import StridedBackend
-from kvshm.transfer.batch import CopyBatch
-from kvshm.transfer.chooser import BackendChooser
-from kvshm.transfer.plan import JobPlanner
-from kvshm.transfer.pointers import RowGeometry
-from kvshm.transfer.routing import JobRouter, Route
-from kvshm.transfer.uniform import UniformLayout
+from kvshm.transfer.choice.chooser import BackendChooser
+from kvshm.transfer.choice.routing import JobRouter, Route
+from kvshm.transfer.cuda.driver import CopyDirection, CudaDriver
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.plan import JobPlanner
+from kvshm.transfer.jobs.pointers import RowGeometry
+from kvshm.transfer.jobs.uniform import UniformLayout
+from kvshm.transfer.jobs.work import Stream
 
 from .helpers import CPU_ROWS, GPU_ROWS, cpu_views, one_group
 

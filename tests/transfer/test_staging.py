@@ -17,9 +17,9 @@ from kvshm.transfer import (
     SingleDirectionOffloadingHandler,
 )
 from kvshm.transfer.backends.staged import staged_tables
-from kvshm.transfer.batch import CopyBatch
-from kvshm.transfer.pointers import RowGeometry
-from kvshm.transfer.staging import StagingPlan, layout_run_bytes, plan_staging
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.pointers import RowGeometry
+from kvshm.transfer.jobs.staging import StagingPlan, layout_run_bytes, plan_staging
 
 from .helpers import open_region, region_bytes, unpadded
 
@@ -207,7 +207,7 @@ def test_staged_tables_move_every_byte_a_direct_copy_moves(
 
 def test_a_layout_is_staged_only_with_long_runs_of_small_pages() -> None:
     from kvshm.transfer import BackendPolicy
-    from kvshm.transfer.chooser import why_not_staged
+    from kvshm.transfer.choice.chooser import why_not_staged
 
     def views(page: int, count: int) -> list[RowGeometry]:
         return [RowGeometry(4096 + t * page, ROW, page, ROWS) for t in range(count)]

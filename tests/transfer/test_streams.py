@@ -1,4 +1,4 @@
-"""kvshm's own CUDA streams (kvshm.transfer.streams): none of torch's pooled streams, they run
+"""kvshm's own CUDA streams (kvshm.transfer.cuda.streams): none of torch's pooled streams, they run
 work, and one given back is lent again."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshm.transfer import streams
-from kvshm.transfer.streams import give_back, own_stream
+from kvshm.transfer.cuda import streams
+from kvshm.transfer.cuda.streams import give_back, own_stream
 
 from .helpers import on_a_new_thread
 

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from kvshm.transfer import CanonicalKVCacheRef, CPULoadStoreSpec, GPULoadStoreSpec
-from kvshm.transfer.backends.cuda_driver import CUDA_MEMCPY2D, CopyDirection, CudaDriver
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.strided import StridedBackend, strided_refusal
-from kvshm.transfer.plan import JobPlanner
-from kvshm.transfer.pointers import RowGeometry
-from kvshm.transfer.uniform import MAX_PITCH, UniformLayout
+from kvshm.transfer.cuda.driver import CUDA_MEMCPY2D, CopyDirection, CudaDriver
+from kvshm.transfer.jobs.plan import JobPlanner
+from kvshm.transfer.jobs.pointers import RowGeometry
+from kvshm.transfer.jobs.uniform import MAX_PITCH, UniformLayout
 
 from .test_staging import apply
 

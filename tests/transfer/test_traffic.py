@@ -8,8 +8,8 @@ import torch
 
 from kvshm.transfer import BackendUnavailableError, CanonicalKVCacheRef
 from kvshm.transfer import SingleDirectionOffloadingHandler as Handler
+from kvshm.transfer.choice.traffic import Traffic
 from kvshm.transfer.metrics import Direction
-from kvshm.transfer.traffic import Traffic
 
 
 def test_traffic_counts_each_direction_and_never_goes_below_zero() -> None:

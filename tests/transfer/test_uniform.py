@@ -1,4 +1,4 @@
-"""Uniform jobs (kvshm.transfer.uniform): which layouts qualify, which specs take the short
+"""Uniform jobs (kvshm.transfer.jobs.uniform): which layouts qualify, which specs take the short
 path (any other goes to the general planner, which names what is wrong), and tables that move
 every byte where the general planner's direct copies would (memmove, no GPU)."""
 
@@ -15,8 +15,8 @@ from kvshm.transfer import CanonicalKVCacheRef, CPULoadStoreSpec, GPULoadStoreSp
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend
 from kvshm.transfer.backends.staged import CUTS_KEPT, StagedBackend, _Buffer
-from kvshm.transfer.pointers import RowGeometry
-from kvshm.transfer.uniform import UniformLayout, uniform_cut, uniform_tables
+from kvshm.transfer.jobs.pointers import RowGeometry
+from kvshm.transfer.jobs.uniform import UniformLayout, uniform_cut, uniform_tables
 
 from .helpers import GPU_ROWS, cpu_views, gpu_views, one_group
 from .test_staging import CELL, PAGE, ROW, ROWS, TENSORS, apply, handlers  # noqa: F401

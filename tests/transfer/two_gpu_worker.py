@@ -13,9 +13,9 @@ import torch
 from kvshm.region import OpenMode, RegionFormat, RegionLayout, SharedOffloadRegion
 from kvshm.transfer import (
     CanonicalKVCacheRef,
-    CpuGpuOffloadingHandlers,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
+    HandlerLayout,
 )
 
 
@@ -35,14 +35,16 @@ def main(directory: str, instance: str, rank: int, num_blocks: int, block: int) 
     )
     with region:
         gpu = [worker_data(rank, num_blocks, block).cuda()]
-        pair = CpuGpuOffloadingHandlers(gpu, region, 1, [[CanonicalKVCacheRef(0, block)]])
+        region.pin()
+        layout = HandlerLayout.over_region(gpu, region, 1, [[CanonicalKVCacheRef(0, block)]])
+        store = layout.handler(True)
         ids = np.arange(num_blocks)
         spec = (GPULoadStoreSpec(ids[::-1].copy(), [num_blocks], [0]), CPULoadStoreSpec(ids))
-        assert pair.gpu_to_cpu_handler.transfer_async(1, spec)
-        pair.gpu_to_cpu_handler.wait([1])
-        [result] = pair.gpu_to_cpu_handler.get_finished()
+        assert store.transfer_async(1, spec)
+        store.wait([1])
+        [result] = store.get_finished()
         assert result.success
-        pair.shutdown()
+        store.shutdown()
     print(f"rank {rank} stored {result.transfer_size} bytes on {torch.cuda.get_device_name(rank)}")
 
 

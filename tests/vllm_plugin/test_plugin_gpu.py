@@ -175,7 +175,7 @@ def test_calibrated_backends_move_the_right_bytes(
     """copy-engines measures the backends that use no SMs, the strided one on scratch blocks
     in one allocation as the cache is, and chooses among them."""
     from kvshm.transfer.calibration import ChoiceCache
-    from kvshm.transfer.chooser import SM_FREE_BACKENDS
+    from kvshm.transfer.choice.chooser import SM_FREE_BACKENDS
 
     with attached(layout) as a:
         instance_id, cell, region = a.instance_id, a.cell, a.region

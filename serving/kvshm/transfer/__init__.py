@@ -1,10 +1,14 @@
 """kvshm.transfer: moving KV blocks between GPU tensors and a shared region, in order, fast.
 
 GPU-only pieces (CUDA streams, the driver, Triton) load on first use, so this package imports
-and its CPU backend runs on machines without a GPU.
+and its CPU backend runs on machines without a GPU. The vLLM plugin uses what this face
+hands on, and nothing behind it.
 """
 
-from kvshm.transfer.chooser import BACKEND_ENV, BackendPolicy
+from kvshm.transfer.assembly import HandlerAssembly, HandlerLayout, WorkerHandlers
+from kvshm.transfer.backends.base import BackendName
+from kvshm.transfer.calibration import ChoiceCache
+from kvshm.transfer.choice.chooser import BACKEND_ENV, BACKEND_NAMES, COPY_ENGINES, BackendPolicy
 from kvshm.transfer.errors import (
     BackendUnavailableError,
     CudaCallError,
@@ -14,11 +18,8 @@ from kvshm.transfer.errors import (
     TransferError,
 )
 from kvshm.transfer.handler import SingleDirectionOffloadingHandler
-from kvshm.transfer.metrics import Direction
-from kvshm.transfer.options import TransferOptions
-from kvshm.transfer.pair import CpuGpuOffloadingHandlers
-from kvshm.transfer.pointers import compute_sub_block_ptrs
-from kvshm.transfer.specs import (
+from kvshm.transfer.jobs.pointers import compute_sub_block_ptrs
+from kvshm.transfer.jobs.specs import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCacheRef,
     CPULoadStoreSpec,
@@ -28,19 +29,26 @@ from kvshm.transfer.specs import (
     TransferSpec,
     TransferType,
 )
+from kvshm.transfer.metrics import Direction
+from kvshm.transfer.options import TransferOptions
 
 __all__ = [
     "BACKEND_ENV",
+    "BACKEND_NAMES",
+    "COPY_ENGINES",
+    "BackendName",
     "BackendPolicy",
     "BackendUnavailableError",
     "BlockIDsLoadStoreSpec",
     "CPULoadStoreSpec",
     "CanonicalKVCacheRef",
-    "CpuGpuOffloadingHandlers",
+    "ChoiceCache",
     "CudaCallError",
     "Direction",
     "GPULoadStoreSpec",
+    "HandlerAssembly",
     "HandlerClosedError",
+    "HandlerLayout",
     "InvalidTensorsError",
     "InvalidTransferSpecError",
     "SingleDirectionOffloadingHandler",
@@ -50,5 +58,6 @@ __all__ = [
     "TransferResult",
     "TransferSpec",
     "TransferType",
+    "WorkerHandlers",
     "compute_sub_block_ptrs",
 ]

@@ -14,27 +14,27 @@ from dataclasses import dataclass
 
 import torch
 
-from kvshm.transfer.chooser import BackendChooser, BackendPolicy, override_from_env
+from kvshm.transfer.choice.chooser import BackendChooser, BackendPolicy, override_from_env
+from kvshm.transfer.choice.routing import JobRouter
+from kvshm.transfer.choice.traffic import Traffic
 from kvshm.transfer.errors import (
     HandlerClosedError,
     InvalidTensorsError,
     InvalidTransferSpecError,
 )
-from kvshm.transfer.metrics import Direction, FinishedJob, TransferMetrics
-from kvshm.transfer.options import TransferOptions
-from kvshm.transfer.plan import JobPlanner
-from kvshm.transfer.routing import JobRouter
-from kvshm.transfer.specs import (
+from kvshm.transfer.jobs.plan import JobPlanner
+from kvshm.transfer.jobs.specs import (
     CPU_MEDIUM,
     GPU_MEDIUM,
     CanonicalKVCacheRef,
     TransferResult,
     TransferSpec,
 )
-from kvshm.transfer.tensors import check_group_refs, check_tensors
-from kvshm.transfer.timeline import CpuTimeline, Ticket, Timeline
-from kvshm.transfer.traffic import Traffic
-from kvshm.transfer.uniform import UniformLayout
+from kvshm.transfer.jobs.tensors import check_group_refs, check_tensors
+from kvshm.transfer.jobs.uniform import UniformLayout
+from kvshm.transfer.metrics import Direction, FinishedJob, TransferMetrics
+from kvshm.transfer.options import TransferOptions
+from kvshm.transfer.ordering.timeline import CpuTimeline, Ticket, Timeline
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def _timeline_for(device: torch.device, options: TransferOptions) -> Timeline:
     """Where the jobs run: the caller's thread on CUDA streams, or a thread of the CPU's."""
     if device.type == "cpu":
         return CpuTimeline()
-    from kvshm.transfer.cuda_timeline import CudaTimeline
+    from kvshm.transfer.ordering.cuda_timeline import CudaTimeline
 
     return CudaTimeline(device, options.stream_per_job)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 DEFAULT_DESCRIPTORS_PER_CALL = 128
 DEFAULT_KERNEL_CHUNK_BYTES = 16384
 # 32 programs of 4 warps keep as much in flight as the link needs and leave most SMs to the
-# serving engine's compute (docs/transfer.md F9, F53).
+# serving engine's compute (docs/transfer.md).
 DEFAULT_KERNEL_PROGRAMS = 32
 
 

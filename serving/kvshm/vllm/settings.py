@@ -10,7 +10,7 @@ from typing import Any
 
 from kvshm.region import validate_instance_id
 from kvshm.region.shared_region import DEFAULT_ATTACH_TIMEOUT_SECONDS, DEFAULT_DIRECTORY
-from kvshm.transfer.chooser import BACKEND_NAMES, COPY_ENGINES
+from kvshm.transfer import BACKEND_NAMES, COPY_ENGINES
 
 REGION_DIR_KEY = "kvshm_region_dir"
 INSTANCE_ID_KEY = "kvshm_instance_id"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvshm.region import region_file_name
-from kvshm.transfer.calibration import ChoiceCache
+from kvshm.transfer import ChoiceCache
 from kvshm.vllm.attach import attach_region
 from kvshm.vllm.geometry import RegionGeometry
 from kvshm.vllm.identity import engine_identity, find_vllm_config

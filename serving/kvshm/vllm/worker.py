@@ -14,11 +14,15 @@ import torch
 
 from kvshm.region import SharedOffloadRegion
 from kvshm.region.drain_event import DrainEvent
-from kvshm.transfer import BackendUnavailableError, SingleDirectionOffloadingHandler
-from kvshm.transfer.backends.base import BackendName
-from kvshm.transfer.calibration import ChoiceCache, choose
-from kvshm.transfer.chooser import COPY_ENGINES, SM_FREE_BACKENDS, BackendPolicy
-from kvshm.transfer.traffic import Traffic
+from kvshm.transfer import (
+    BackendName,
+    BackendPolicy,
+    ChoiceCache,
+    HandlerAssembly,
+    HandlerLayout,
+    SingleDirectionOffloadingHandler,
+    WorkerHandlers,
+)
 from kvshm.vllm.events import DrainListener
 from kvshm.vllm.pinning import BackgroundPin
 from vllm.v1.kv_offload.base import (
@@ -98,29 +102,24 @@ class KvshmOffloadingWorker(OffloadingWorker):
         self.region = region
         self.instance_id = instance_id
         self.blocks_per_chunk = blocks_per_chunk
-        self._refs = kv_caches.group_data_refs
-        self._sm_free = backend == COPY_ENGINES
-        self._backend = None if self._sm_free else backend
-        self._calibration = calibration if self._backend is None else None
-        self._stores = stores
-        self.num_chunks = region.layout.num_blocks
-        self.chosen_backends: dict[str, str] = {}
         self.gpu_tensors = [
             t.tensor.view(torch.int8).view(-1, t.page_size_bytes) for t in kv_caches.tensors
         ]
-        self.cpu_tensors = [
-            region.create_next_view(t.page_size_bytes * blocks_per_chunk) for t in kv_caches.tensors
-        ]
+        layout = HandlerLayout.over_region(
+            self.gpu_tensors, region, blocks_per_chunk, kv_caches.group_data_refs
+        )
+        self.cpu_tensors = layout.cpu_tensors  # the layout's own list, emptied on release
+        self._assembly = HandlerAssembly(layout, backend, calibration, measure_stores=stores)
         device = self.gpu_tensors[0].device
         self._pin = BackgroundPin(region, device) if pin and device.type == "cuda" else None
         hint = block_outer_hint([t.page_size_bytes for t in kv_caches.tensors])
         if (
             hint is not None
             and device.type == "cuda"
-            and self._backend in (None, BackendName.STAGED)
+            and self._assembly.forced in (None, BackendName.STAGED)
         ):
             log.info(hint)
-        self._handlers: list[SingleDirectionOffloadingHandler] | None = None
+        self._handlers: WorkerHandlers | None = None
         self._lock = threading.Lock()
         self._drain: DrainEvent | None = None
         self._drained_results: list[TransferResult] = []
@@ -132,12 +131,10 @@ class KvshmOffloadingWorker(OffloadingWorker):
         """How long building the worker blocked the engine (registration runs on after it)."""
         self.first_transfer_wait_seconds: float | None = None
         """How long the first transfer waited for the CUDA registration to finish."""
-        self.calibration_seconds: float | None = None
-        """How long the first transfer spent choosing the backends (0 s-ish when cached)."""
 
     # -- handlers ------------------------------------------------------------------------
 
-    def _ready(self) -> list[SingleDirectionOffloadingHandler]:
+    def _ready(self) -> WorkerHandlers:
         if self._drain is not None:
             raise RegionDrainedError(
                 f"the kvshm agent drained region {self._drain.region} (instance "
@@ -155,95 +152,8 @@ class KvshmOffloadingWorker(OffloadingWorker):
                     "kvshm: first transfer waited %.3f s for the region's CUDA registration",
                     self.first_transfer_wait_seconds,
                 )
-
-            if self._calibration is not None:
-                self.chosen_backends = self._calibrate(self._calibration)
-
-            traffic = Traffic()  # which backend a job gets may depend on the other direction
-
-            def handler(gpu_to_cpu: bool) -> SingleDirectionOffloadingHandler:
-                name = "store" if gpu_to_cpu else "load"
-                backend = self.chosen_backends.get(name)
-                if backend is not None:
-                    beside = self.chosen_backends.get(f"{name}_beside")
-                    try:
-                        return self._make_handler(
-                            gpu_to_cpu, backend, self.gpu_tensors, beside=beside, traffic=traffic
-                        )
-                    except BackendUnavailableError:
-                        # a measured backend this handler cannot build (its staging buffers
-                        # no longer fit the GPU, say): the unmeasured choice instead
-                        log.warning("kvshm: the measured %s backends cannot be built", name)
-                return self._unmeasured_handler(gpu_to_cpu)
-
-            # store, load, and expedited load on its own stream: it must not queue behind loads
-            self._handlers = [handler(True), handler(False), handler(False)]
+            self._handlers = self._assembly.build()
         return self._handlers
-
-    def _calibrate(self, cache: ChoiceCache) -> dict[str, str]:
-        started = time.perf_counter()
-        try:
-            return choose(
-                self._make_handler,
-                self.gpu_tensors,
-                self.num_chunks,
-                len(self._refs),
-                self.blocks_per_chunk,
-                cache,
-                measure_stores=self._stores,
-                sm_free=self._sm_free,
-            )
-        except Exception:
-            # a measurement that cannot run (no GPU memory left for its scratch blocks, say)
-            # must not stop the engine: the handlers then choose per job by the block size
-            log.warning(
-                "kvshm: could not measure the copy backends; choosing them by block size",
-                exc_info=True,
-            )
-            return {}
-        finally:
-            self.calibration_seconds = time.perf_counter() - started
-
-    def _unmeasured_handler(self, gpu_to_cpu: bool) -> SingleDirectionOffloadingHandler:
-        """A handler with no measurement to go by: the forced backend, or the choice per job
-        by block size; under copy-engines the strided backend where the KV cache allows it
-        (one 2-D copy a block, fewer calls than DMA's one a page), else DMA (CPU tensors:
-        memmove)."""
-        if not self._sm_free:
-            return self._make_handler(gpu_to_cpu, self._backend, self.gpu_tensors)
-        refused: list[str] = []
-        for name in SM_FREE_BACKENDS:
-            try:
-                handler = self._make_handler(gpu_to_cpu, name, self.gpu_tensors)
-            except BackendUnavailableError as exc:
-                refused.append(str(exc))
-                continue
-            if refused:
-                log.info("kvshm: copy-engines takes %s: %s", name, "; ".join(refused))
-            return handler
-        raise BackendUnavailableError(f"no copy backend without SMs: {'; '.join(refused)}")
-
-    def _make_handler(
-        self,
-        gpu_to_cpu: bool,
-        backend: str | None,
-        gpu_tensors: Sequence[torch.Tensor],
-        *,
-        beside: str | None = None,
-        traffic: Traffic | None = None,
-    ) -> SingleDirectionOffloadingHandler:
-        """backend: every job's (None: by block size); with beside and traffic, backend for
-        jobs while the other direction is idle and beside while it is busy."""
-        return SingleDirectionOffloadingHandler(
-            gpu_tensors,
-            self.cpu_tensors,
-            self.blocks_per_chunk,
-            self._refs,
-            gpu_to_cpu,
-            backend=backend,
-            backend_beside=beside,
-            traffic=traffic,
-        )
 
     @property
     def pin(self) -> BackgroundPin | None:
@@ -253,10 +163,19 @@ class KvshmOffloadingWorker(OffloadingWorker):
     def drain_listener(self) -> DrainListener | None:
         return self._listener
 
+    @property
+    def chosen_backends(self) -> dict[str, str]:
+        """The calibration's choice (after the first transfer; {} where none was made)."""
+        return self._assembly.chosen_backends
+
+    @property
+    def calibration_seconds(self) -> float | None:
+        """How long the first transfer spent choosing the backends (0 s-ish when cached)."""
+        return self._assembly.calibration_seconds
+
     def handler_backends(self) -> dict[str, list[str]]:
         """The copy backends each handler may choose from (after the first transfer)."""
-        names = ("store", "load", "expedited_load")
-        return {n: h.backends for n, h in zip(names, self._handlers or [], strict=False)}
+        return {} if self._handlers is None else self._handlers.backends()
 
     # -- vLLM 0.33's OffloadingWorker ----------------------------------------------------
 
@@ -264,7 +183,7 @@ class KvshmOffloadingWorker(OffloadingWorker):
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         with self._lock:
-            return self._ready()[0].transfer_async(job_id, src_spec, dst_spec)
+            return self._ready().store.transfer_async(job_id, src_spec, dst_spec)
 
     def submit_load(
         self,
@@ -274,7 +193,8 @@ class KvshmOffloadingWorker(OffloadingWorker):
         expedited: bool = False,
     ) -> bool:
         with self._lock:
-            handler = self._ready()[2 if expedited else 1]
+            handlers = self._ready()
+            handler = handlers.expedited_load if expedited else handlers.load
             return handler.transfer_async(job_id, src_spec, dst_spec)
 
     def get_finished(self) -> list[TransferResult]:
@@ -301,7 +221,7 @@ class KvshmOffloadingWorker(OffloadingWorker):
         at once, the loads' bookkeeping then overlaps the stores' copies instead of following
         the wait in get_finished."""
         with self._lock:
-            handlers = self._handlers or []
+            handlers: Sequence[SingleDirectionOffloadingHandler] = self._handlers or []
             for handler in handlers:
                 others = [h for h in handlers if h is not handler]
                 handler.wait(job_ids, partial(_retire_finished, others))

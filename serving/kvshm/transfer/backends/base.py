@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from kvshm.transfer.batch import CopyBatch
-from kvshm.transfer.uniform import UniformJob, UniformLayout
-
-Stream = Any
-"""A torch.cuda.Stream for GPU backends; None for the CPU backend."""
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.uniform import UniformJob, UniformLayout
+from kvshm.transfer.jobs.work import Stream
 
 
 class BackendName(StrEnum):
@@ -32,7 +30,7 @@ class CopyBackend(ABC):
     is a Lease. `after` is the stream whose queued work GPU->CPU copies must follow: `stream`
     already waits for it, so only a backend that issues on other streams too needs it.
 
-    A backend may also take uniform jobs (kvshm.transfer.uniform), their tables from the block
+    A backend may also take uniform jobs (kvshm.transfer.jobs.uniform), their tables from the block
     ids alone: prepare_uniform(layout) once when the handler is built, then copy_uniform(job)
     per job, which returns what copy() does.
     """
@@ -50,13 +48,3 @@ class CopyBackend(ABC):
     def copy_uniform(self, job: UniformJob, stream: Stream, after: Stream | None = None) -> object:
         """One uniform job of the layout prepare_uniform accepted."""
         raise ValueError(f"the {self.name} backend takes no uniform jobs")
-
-
-class Lease(ABC):
-    """Something a job holds until its copies are done, then gives back for reuse."""
-
-    __slots__ = ()
-
-    @abstractmethod
-    def release(self) -> None:
-        """Called once, after the job's copies are done."""

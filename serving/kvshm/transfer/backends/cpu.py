@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import ctypes
 
-from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
-from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.backends.base import BackendName, CopyBackend
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.work import Stream
 
 
 class CpuMemmoveBackend(CopyBackend):

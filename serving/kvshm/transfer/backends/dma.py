@@ -1,7 +1,7 @@
 """The DMA backend: the GPU's copy engines, driven by cuMemcpyBatchAsync in chunks.
 
 One call for a whole job blocks the CPU while the driver walks every descriptor, and the copy
-engines idle meanwhile (docs/transfer.md F14, F52); chunks of a few hundred descriptors let the
+engines idle meanwhile (docs/transfer.md); chunks of a few hundred descriptors let the
 engines start on the first chunk while the next is issued.
 Where the batch call is missing (CUDA < 12.8) or refuses the stream, each copy is issued with
 cuMemcpyAsync instead.
@@ -11,35 +11,36 @@ from __future__ import annotations
 
 import logging
 
-from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
-from kvshm.transfer.backends.cuda_driver import (
+from kvshm.transfer.backends.base import BackendName, CopyBackend
+from kvshm.transfer.cuda.driver import (
     CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_NOT_SUPPORTED,
     CUDA_SUCCESS,
     CopyDirection,
     CudaDriver,
 )
-from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.errors import CudaCallError
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.uniform import UniformCopies, UniformJob, UniformLayout
+from kvshm.transfer.jobs.work import Stream
 from kvshm.transfer.options import DEFAULT_DESCRIPTORS_PER_CALL
-from kvshm.transfer.uniform import UniformCopies, UniformJob, UniformLayout
 
 log = logging.getLogger(__name__)
 
 _WORD = 8  # bytes per descriptor entry (uint64)
 # below this mean size, stores go in ascending host address; from it, every job goes in
-# ascending GPU address (docs/transfer.md F7, F38)
+# ascending GPU address (docs/transfer.md)
 SORT_BELOW_BYTES = 256 * 1024
 
 
 def issue_order(batch: CopyBatch, gpu_to_cpu: bool) -> CopyBatch:
     """The batch's copies in the order the copy engines take them fastest."""
     if batch.mean_copy_bytes < SORT_BELOW_BYTES:
-        # host memory takes writes faster in ascending address order; reads do not care (F7)
+        # host memory takes writes faster in ascending address order; reads do not care
         return batch.sorted_by_destination() if gpu_to_cpu else batch
     # large pages in the planner's order put a block's pages, back to back in its cell, one
     # after another; in GPU address order (tensor by tensor) consecutive copies go to
-    # different cells, which moves more both ways at once (F38)
+    # different cells, which moves more both ways at once
     return batch.sorted_by(0 if gpu_to_cpu else 1)
 
 
@@ -112,7 +113,7 @@ class DmaBackend(CopyBackend):
     def _made_context_current(self) -> bool:
         """On a thread with no CUDA context current the batch call refuses every stream
         (CUDA_ERROR_INVALID_VALUE) while cuMemcpyAsync, which takes the stream's context, works
-        at a fraction of the speed (docs/transfer.md F52): make the device's primary context
+        at a fraction of the speed (docs/transfer.md): make the device's primary context
         current there (as torch does) and say whether it was missing."""
         if self._driver.has_current_context():
             return False

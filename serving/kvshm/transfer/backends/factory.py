@@ -9,16 +9,16 @@ import torch
 
 from kvshm.transfer.backends.base import BackendName, CopyBackend
 from kvshm.transfer.backends.cpu import CpuMemmoveBackend
-from kvshm.transfer.backends.cuda_driver import CopyDirection, cuda_driver
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend, triton_missing_reason, unmapped_reason
 from kvshm.transfer.backends.staged import StagedBackend
 from kvshm.transfer.backends.strided import StridedBackend, strided_refusal
+from kvshm.transfer.cuda.driver import CopyDirection, cuda_driver
 from kvshm.transfer.errors import BackendUnavailableError
+from kvshm.transfer.jobs.specs import CanonicalKVCacheRef
+from kvshm.transfer.jobs.tensors import ALIGNMENT, TensorPairs
+from kvshm.transfer.jobs.uniform import UniformLayout
 from kvshm.transfer.options import TransferOptions
-from kvshm.transfer.specs import CanonicalKVCacheRef
-from kvshm.transfer.tensors import ALIGNMENT, TensorPairs
-from kvshm.transfer.uniform import UniformLayout
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def build_backends(
     # region registered
     if staging and options.staging_buffers >= 2:
         # its gathers and scatters touch device memory only: a grid on every SM finishes a
-        # piece far sooner than 32 programs, then leaves the SMs alone (docs/transfer.md F53)
+        # piece far sooner than 32 programs, then leaves the SMs alone (docs/transfer.md)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         device_copies = KernelBackend(device, options.kernel_chunk_bytes, programs=2 * sms)
         staged = StagedBackend(

@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
-from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
-from kvshm.transfer.backends.cuda_driver import CudaDriver
-from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.backends.base import BackendName, CopyBackend
+from kvshm.transfer.cuda.driver import CudaDriver
+from kvshm.transfer.cuda.pinned import PinnedTables
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.pointers import RowGeometry
+from kvshm.transfer.jobs.work import Stream
 from kvshm.transfer.options import DEFAULT_KERNEL_CHUNK_BYTES, DEFAULT_KERNEL_PROGRAMS
-from kvshm.transfer.pinned import PinnedTables
-from kvshm.transfer.pointers import RowGeometry
 
 DEFAULT_NUM_WARPS = 4
 
@@ -156,7 +157,7 @@ class KernelBackend(CopyBackend):
         what Triton's own launch would, where this Triton's names for them are known.
 
         Triton's JIT launch re-binds and re-specializes the arguments on every call, a large
-        share of a small job's transfer_async (docs/transfer.md F10, F51); the compiled kernel
+        share of a small job's transfer_async (docs/transfer.md); the compiled kernel
         launches in a fraction of that. Its launch arguments are not a public interface, so a
         test copy through it checks them here, and a mismatch falls back to the JIT launch."""
         probe = torch.arange(64, dtype=torch.uint8, device=device)
@@ -185,7 +186,7 @@ class KernelBackend(CopyBackend):
         # the kernel reads the table from pinned memory, so no copy engine uploads it (an
         # upload would queue behind the other direction's DMA); the table is lent until the
         # job is retired, when the kernel is done with it (a pinned torch.empty per job is
-        # costly: docs/transfer.md F51)
+        # costly: docs/transfer.md)
         table = self._tables.take(batch.count)
         table.rows[:, : batch.count] = batch.rows
         self.launch(table.tensor, 0, batch.count, int(batch.sizes.max()), stream.cuda_stream)

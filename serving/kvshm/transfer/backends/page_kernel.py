@@ -1,16 +1,16 @@
 """The staged backend's gather and scatter for uniform jobs, addressed from the block ids alone.
 
-A uniform job's pages follow from its GPU block ids and the layout (kvshm.transfer.uniform):
+A uniform job's pages follow from its GPU block ids and the layout (kvshm.transfer.jobs.uniform):
 page r of block k is at gpu_base[r] + id_k * gpu_stride[r] and at cell_offset[r] in the
 block's cell in the staging buffer. So the kernel takes the ids as launch arguments and the
 layout's per-ref table from device memory, uploaded once: no job writes a table, and the
 kernel reads nothing from host memory. With a table in pinned host memory, its reads wait
 behind the other direction's copies on the link, and the copies out waited for the gather,
-which cost both ways several GB/s (docs/transfer.md F37, F56).
+which cost both ways several GB/s (docs/transfer.md).
 
 Its programs have the copy kernel's shape (4 warps, 16 KiB a step). Programs of one warp and
 32 registers, small enough to sit on an SM beside a matrix product's thread block, slowed the
-products beside more, not less (F40).
+products beside more, not less.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kvshm.transfer.backends.kernel import (
     checked_launch,
     launch_constants,
 )
-from kvshm.transfer.uniform import UniformLayout
+from kvshm.transfer.jobs.uniform import UniformLayout
 
 I32_MAX = (1 << 31) - 1
 

@@ -1,8 +1,8 @@
 """The staged backend: the copy engines move whole runs of a region, the GPU gathers/scatters.
 
 The copy engines reach the link only with large descriptors: the driver's time per descriptor
-bounds small ones (docs/transfer.md F5, F52). A job that moves many tensors' pages of each
-block touches one contiguous run of the region per block (kvshm.transfer.staging), so this
+bounds small ones (docs/transfer.md). A job that moves many tensors' pages of each
+block touches one contiguous run of the region per block (kvshm.transfer.jobs.staging), so this
 backend moves each run with one descriptor between the region and a device buffer, and the
 copy kernel gathers (GPU->CPU) or scatters (CPU->GPU) the pages between that buffer and the
 GPU tensors, in device memory only. The kernel runs on a second stream, so piece k+1 is
@@ -20,15 +20,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
+from kvshm.transfer.backends.base import BackendName, CopyBackend
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.kernel import KernelBackend
 from kvshm.transfer.backends.page_kernel import PageKernel, page_kernel_refusal
-from kvshm.transfer.batch import CopyBatch
-from kvshm.transfer.pinned import PinnedTables
-from kvshm.transfer.staging import StagingPlan, plan_staging
-from kvshm.transfer.streams import give_back, own_stream
-from kvshm.transfer.uniform import (
+from kvshm.transfer.cuda.pinned import PinnedTables
+from kvshm.transfer.cuda.streams import give_back, own_stream
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.staging import StagingPlan, plan_staging
+from kvshm.transfer.jobs.uniform import (
     UniformCut,
     UniformJob,
     UniformLayout,
@@ -36,6 +36,7 @@ from kvshm.transfer.uniform import (
     uniform_runs,
     uniform_tables,
 )
+from kvshm.transfer.jobs.work import Stream
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class StagedBackend(CopyBackend):
         return table  # lent until the job is done: the kernel reads it meanwhile
 
     def copy_uniform(self, job: UniformJob, stream: Stream, after: Stream | None = None) -> object:
-        """The same for a uniform job of the prepared layout (kvshm.transfer.uniform): its
+        """The same for a uniform job of the prepared layout (kvshm.transfer.jobs.uniform): its
         tables come from the block ids alone, a piece being as many whole blocks (cells) as
         fill a buffer."""
         layout = self._layout
@@ -266,7 +267,7 @@ class StagedBackend(CopyBackend):
         assert fill is not None and drain is not None
         if self._gpu_to_cpu and after is not None:
             assert self._after_done is not None
-            # one kept event: wait_stream would create one per job (docs/transfer.md F51)
+            # one kept event: wait_stream would create one per job (docs/transfer.md)
             self._after_done.record(after)
             fill.wait_event(self._after_done)
         for piece, b in enumerate(used):

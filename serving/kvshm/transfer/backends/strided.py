@@ -6,23 +6,24 @@ offset + l * layer_stride + b * page, and the block's cell in the region holds t
 back, so one cuMemcpy2DAsync (a row per layer: the page, GPU pitch layer_stride, host pitch the
 page) moves a block. A 16-block job is 16 driver calls where a descriptor per page is 16 x
 layers, and no SM touches the bytes: the model's compute beside loses what it loses beside DMA.
-But the copy engines move such rows at less of the link than staging does (docs/transfer.md
-F45, F46, F54): so this backend is taken by name, or measured among the backends that use no
-SMs (the plugin's kvshm_backend: copy-engines), where the model's compute matters more than
-the last tenth of the link; the default calibration leaves it out. Jobs that are not uniform
-(kvshm.transfer.uniform) go by DMA.
+But the copy engines move such rows at less of the link than staging does (docs/transfer.md):
+so this backend is taken by name, or measured among the backends that use no SMs (the plugin's
+kvshm_backend: copy-engines), where the model's compute matters more than the last tenth of the
+link; the default calibration leaves it out. Jobs that are not uniform
+(kvshm.transfer.jobs.uniform) go by DMA.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvshm.transfer.backends.base import BackendName, CopyBackend, Stream
-from kvshm.transfer.backends.cuda_driver import CUDA_MEMCPY2D, CUDA_SUCCESS, CudaDriver
+from kvshm.transfer.backends.base import BackendName, CopyBackend
 from kvshm.transfer.backends.dma import DmaBackend
-from kvshm.transfer.batch import CopyBatch
+from kvshm.transfer.cuda.driver import CUDA_MEMCPY2D, CUDA_SUCCESS, CudaDriver
 from kvshm.transfer.errors import CudaCallError
-from kvshm.transfer.uniform import UniformJob, UniformLayout
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.uniform import UniformJob, UniformLayout
+from kvshm.transfer.jobs.work import Stream
 
 
 def strided_refusal(layout: UniformLayout | None) -> str | None:
@@ -70,7 +71,7 @@ class StridedBackend(CopyBackend):
         gpu = layout.gpu_base[0] + job.gpu_ids * layout.gpu_stride[0]
         cells = layout.cpu_base + job.cpu_ids * layout.cpu_stride
         if self._gpu_to_cpu:
-            order = np.argsort(cells, kind="stable")  # host memory takes writes in order (F7)
+            order = np.argsort(cells, kind="stable")  # host memory takes writes in order
             sources, destinations = gpu[order], cells[order]
         else:
             sources, destinations = cells, gpu

@@ -1,6 +1,6 @@
 """Choosing each direction's copy backend from a short measurement on this host, cached per
 host and layout (the vLLM plugin's kvshm_calibrate, on by default): the measured twin of
-kvshm.transfer.chooser, whose per-block-size policy it overrides.
+kvshm.transfer.choice.chooser, whose per-block-size policy it overrides.
 
 The measurement runs once, at the worker's first transfer, before that transfer: every backend
 the handlers could use moves the same jobs between scratch GPU blocks (never the engine's KV

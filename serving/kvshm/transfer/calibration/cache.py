@@ -18,7 +18,7 @@ import torch
 
 from kvshm.region.safefile import create_exclusive, describe_file_type, open_checked
 from kvshm.transfer.calibration.policy import CHOICES
-from kvshm.transfer.chooser import BACKEND_NAMES, COPY_ENGINES
+from kvshm.transfer.choice.chooser import BACKEND_NAMES, COPY_ENGINES
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def default_cache_dir() -> Path:
 def host_key(device: torch.device) -> str:
     if device.type != "cuda":
         return f"{socket.gethostname()}/cpu"
-    from kvshm.transfer.backends.cuda_driver import cuda_driver
+    from kvshm.transfer.cuda.driver import cuda_driver
 
     name = torch.cuda.get_device_name(device).replace(" ", "_")
     return f"{socket.gethostname()}/{name}/driver-{cuda_driver().version}"

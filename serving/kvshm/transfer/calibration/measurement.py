@@ -12,18 +12,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvshm.transfer import SingleDirectionOffloadingHandler
 from kvshm.transfer.calibration.policy import choose_backends, worth_trying
 from kvshm.transfer.calibration.workload import Spec, Workload
+from kvshm.transfer.handler import SingleDirectionOffloadingHandler
 
 REPS = 3  # medians of this many rounds
 # each trial moves the scratch blocks this many times: one pass's fixed costs hid differences
-# the link shows (docs/transfer.md F55)
+# the link shows (docs/transfer.md)
 PASSES = 4
 # How much slower the issuing thread may run than during the measurement: a neighbour sharing
-# its core slows a process's Python at times (docs/transfer.md F25, F29). A trial is judged at
+# its core slows a process's Python at times (docs/transfer.md). A trial is judged at
 # that speed, taking at least SLOW_CPU times its submitting, so that a backend whose thread only
-# just keeps ahead of its copies is not chosen to fall behind them later (F34, F55).
+# just keeps ahead of its copies is not chosen to fall behind them later.
 SLOW_CPU = 2.0
 
 HandlerFactory = Callable[

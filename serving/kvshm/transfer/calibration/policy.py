@@ -6,14 +6,14 @@ from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 from kvshm.transfer.backends.base import BackendName
-from kvshm.transfer.chooser import BACKEND_NAMES, SM_FREE_BACKENDS, BackendPolicy
+from kvshm.transfer.choice.chooser import BACKEND_NAMES, SM_FREE_BACKENDS, BackendPolicy
 from kvshm.transfer.metrics import Direction
 
 CHOICES = ("store", "load", "store_beside", "load_beside")
 """What a choice names a backend for (choose_backends says what each means)."""
 
 MARGIN = 0.03  # times within this of the fastest are a tie: runs of a few ms tell no finer
-# How much of the engine's compute each backend takes (docs/transfer.md F9); a tie goes to the
+# How much of the engine's compute each backend takes (docs/transfer.md); a tie goes to the
 # backend that takes the least, the measurement not seeing it.
 SM_USE: dict[str, int] = {
     BackendName.DMA: 0,
@@ -23,7 +23,7 @@ SM_USE: dict[str, int] = {
     BackendName.KERNEL: 2,
 }
 # The copy kernel holds SMs for the whole copy, which costs the engine's compute far more than
-# staging does (docs/transfer.md F47, F55): it is taken only where it beats every choice
+# staging does (docs/transfer.md): it is taken only where it beats every choice
 # without it by more than this.
 KERNEL_MARGIN = 0.10
 
@@ -44,10 +44,10 @@ def worth_trying(
 
     sm_free (kvshm_backend: copy-engines): those that leave the SMs to the model. Otherwise
     not the strided backend, whose trial on scratch blocks ties with staging's where at scale
-    it moves less both ways (docs/transfer.md F46), and the copy kernel only where the policy
+    it moves less both ways (docs/transfer.md), and the copy kernel only where the policy
     would give it the jobs (pages averaging under its kernel_below_bytes), where the copy
     engines are bound by their descriptors: it holds SMs for the whole transfer, and at large
-    pages, where a trial had chosen it, it moved less than DMA does (F43, F44, F55)."""
+    pages, where a trial had chosen it, it moved less than DMA does."""
     tried = [b for b in backends if b in measured_backends(sm_free)]
     if sm_free:
         return tried

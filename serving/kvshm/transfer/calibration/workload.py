@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvshm.transfer import CPULoadStoreSpec, GPULoadStoreSpec
-from kvshm.transfer.uniform import row_pitch
+from kvshm.transfer.jobs.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvshm.transfer.jobs.uniform import row_pitch
 
 SCRATCH_BYTES = 256 * 1024 * 1024  # GPU memory the measurement borrows, at most...
 MIN_SCRATCH_BYTES = 16 * 1024 * 1024  # ...and at least (but a quarter of what is free)

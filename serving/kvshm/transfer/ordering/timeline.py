@@ -2,7 +2,7 @@
 
 A Timeline runs each launched job after the previous one finished, timing it from start to
 end. CpuTimeline runs jobs on one worker thread (the CPU backend's "stream"); CudaTimeline
-(kvshm.transfer.cuda_timeline) issues them in the caller's thread onto one CUDA stream.
+(kvshm.transfer.ordering.cuda_timeline) issues them in the caller's thread onto one CUDA stream.
 """
 
 from __future__ import annotations
@@ -11,13 +11,8 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
-from kvshm.transfer.backends.base import Lease, Stream
-
-Work = Callable[[Stream], object]
-"""A job's copies: called once with the stream to issue them on; what it returns is kept
-alive until the job is done, and released then if it is a Lease."""
+from kvshm.transfer.jobs.work import Lease, Stream, Work
 
 
 class Ticket(ABC):

@@ -2,7 +2,7 @@
 
 The copy kernel reads its table from pinned host memory while the job runs, so each job in
 flight needs a table of its own. torch's pinned allocator costs a good part of a job's CPU
-budget a call (docs/transfer.md F51); a table given back when its job is retired, and lent
+budget a call (docs/transfer.md); a table given back when its job is retired, and lent
 again, costs a list pop. Tables come in power-of-two widths, so jobs of
 any size share a few free lists; a kernel given a table reads its rows at the table's width.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvshm.transfer.backends.base import Lease
+from kvshm.transfer.jobs.work import Lease
 
 MIN_COLUMNS = 64
 BYTES_KEPT = 16 << 20

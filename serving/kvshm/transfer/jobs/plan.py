@@ -14,15 +14,15 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.errors import InvalidTransferSpecError
-from kvshm.transfer.pointers import (
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.pointers import (
     RowGeometry,
     blocks_spanned,
     check_ids_in_range,
     fill_sub_block_ptrs,
 )
-from kvshm.transfer.specs import BlockIds, CanonicalKVCacheRef, as_block_ids
+from kvshm.transfer.jobs.specs import BlockIds, CanonicalKVCacheRef, as_block_ids
 
 
 @dataclass(frozen=True)

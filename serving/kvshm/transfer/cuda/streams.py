@@ -4,7 +4,7 @@ torch.cuda.Stream() creates no stream: it hands out one of 32 per device and pri
 turn. A process that asks for more (a serving engine's streams, its offloading handlers, a
 benchmark's) is given the same stream twice, and two unrelated queues become one: on an H100
 host a handler's store stream, drawn 32 requests after the stream the matrix products ran on,
-was that stream, so the stores waited for every queued product (docs/transfer.md F41).
+was that stream, so the stores waited for every queued product (docs/transfer.md).
 kvshm's copy streams come from the driver instead. Like
 torch's, they live as long as the process: destroyed with their last reference (at exit,
 too), two test processes died of SIGSEGV, which they do not when kept. A shut-down handler
@@ -17,6 +17,8 @@ import threading
 
 import torch
 
+from kvshm.transfer.cuda.driver import cuda_driver
+
 _free: dict[int, list[int]] = {}  # per device index, streams given back
 _lock = threading.Lock()
 
@@ -25,8 +27,6 @@ def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
     """A non-blocking stream on `device` that no torch.cuda.Stream() can be given: one given
     back earlier, else a new one, created in the device's primary context (made current on a
     thread that has none, as torch's own first CUDA call there would)."""
-    from kvshm.transfer.backends.cuda_driver import cuda_driver
-
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
         free = _free.get(index)

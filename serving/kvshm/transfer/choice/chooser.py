@@ -11,15 +11,15 @@ from kvshm.transfer.backends.base import BackendName, CopyBackend
 from kvshm.transfer.backends.dma import DmaBackend
 from kvshm.transfer.backends.factory import build_backends
 from kvshm.transfer.backends.staged import StagedBackend
-from kvshm.transfer.batch import CopyBatch
 from kvshm.transfer.errors import BackendUnavailableError
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.pointers import RowGeometry
+from kvshm.transfer.jobs.specs import CanonicalKVCacheRef
+from kvshm.transfer.jobs.staging import layout_run_bytes
+from kvshm.transfer.jobs.tensors import TensorPairs
+from kvshm.transfer.jobs.uniform import UniformLayout
 from kvshm.transfer.metrics import Direction
 from kvshm.transfer.options import TransferOptions
-from kvshm.transfer.pointers import RowGeometry
-from kvshm.transfer.specs import CanonicalKVCacheRef
-from kvshm.transfer.staging import layout_run_bytes
-from kvshm.transfer.tensors import TensorPairs
-from kvshm.transfer.uniform import UniformLayout
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ SM_FREE_BACKENDS = (BackendName.STRIDED, BackendName.DMA, BackendName.CPU)
 def _default_kernel_below() -> dict[Direction, int]:
     # under 64 KiB the copy engines are bound by the driver's time per descriptor and the
     # kernel moves more; from 64 KiB the engines keep up, and only they overlap both
-    # directions (docs/transfer.md F5, F53)
+    # directions (docs/transfer.md)
     return {Direction.CPU_TO_GPU: 64 * 1024, Direction.GPU_TO_CPU: 64 * 1024}
 
 
@@ -49,7 +49,7 @@ class BackendPolicy:
     staged_from_run_bytes: int = 256 * 1024
     # many small pages: both directions at once DMA is bound by one thread issuing every
     # page's descriptor, where staging issues one a block; from 128 KiB the descriptors are
-    # few enough (docs/transfer.md F12)
+    # few enough (docs/transfer.md)
     staged_below_copy_bytes: int = 128 * 1024
 
 
@@ -186,7 +186,7 @@ class BackendChooser:
 
     def staged_for_uniform(self, layout: UniformLayout) -> StagedBackend | None:
         """The staged backend if it is what choose() picks for every job of this uniform
-        layout (kvshm.transfer.uniform), so that such jobs may skip the general planning. The
+        layout (kvshm.transfer.jobs.uniform), so that such jobs may skip the general planning. The
         smallest job, one block, is refs copies in one run of block_bytes; a larger job has
         the same copy sizes and no more runs than blocks, so the policy stages it too."""
         staged = self.staged()

@@ -7,16 +7,16 @@ timing, waits) is the same; bench/transfer compares the two.
 
 Copies are issued in the caller's thread, inside transfer_async. Issuing from a worker thread
 lost end to end: between driver calls the worker needs the GIL, which the caller holds while
-it plans the next jobs (docs/transfer.md F2).
+it plans the next jobs (docs/transfer.md).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvshm.transfer.backends.base import Lease, Stream
-from kvshm.transfer.streams import give_back, own_stream
-from kvshm.transfer.timeline import Ticket, Timeline, Work
+from kvshm.transfer.cuda.streams import give_back, own_stream
+from kvshm.transfer.jobs.work import Lease, Stream, Work
+from kvshm.transfer.ordering.timeline import Ticket, Timeline
 
 
 class CudaTicket(Ticket):
@@ -58,7 +58,7 @@ class CudaTimeline(Timeline):
 
     def caller_stream(self) -> torch.cuda.Stream:
         # torch.cuda.current_stream builds a new Stream object per call, the raw handle is
-        # cheap and names the same stream (docs/transfer.md F24, F51): one object is kept per
+        # cheap and names the same stream (docs/transfer.md): one object is kept per
         # handle (a process uses a few streams)
         stream = self._callers.get(torch._C._cuda_getCurrentRawStream(self._index))
         if stream is None:

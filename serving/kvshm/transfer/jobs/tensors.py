@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from kvshm.transfer.errors import InvalidTensorsError, InvalidTransferSpecError
-from kvshm.transfer.pointers import RowGeometry
-from kvshm.transfer.specs import CanonicalKVCacheRef
+from kvshm.transfer.jobs.pointers import RowGeometry
+from kvshm.transfer.jobs.specs import CanonicalKVCacheRef
 
 ALIGNMENT = 16  # bytes the copy kernel moves per access
 

@@ -5,7 +5,7 @@ views back to back in the worker's cell, a job's block k is one run of region me
 cell) and page r of it sits at a fixed offset in that run. The staged backend then needs no
 per-copy planning: its kernel table follows from the GPU ids by one broadcast, its DMA
 descriptors from the CPU ids. That saves most of a job's CPU time, which bounds how many
-small jobs one thread can issue (docs/transfer.md F16).
+small jobs one thread can issue (docs/transfer.md).
 
 Anything this module does not recognise goes through the general planner, which also
 produces every error message; this path never raises for a bad spec.
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvshm.transfer.batch import CopyBatch
-from kvshm.transfer.pointers import RowGeometry
-from kvshm.transfer.specs import CanonicalKVCacheRef
+from kvshm.transfer.jobs.batch import CopyBatch
+from kvshm.transfer.jobs.pointers import RowGeometry
+from kvshm.transfer.jobs.specs import CanonicalKVCacheRef
 
 Int64s = npt.NDArray[np.int64]
 MAX_PITCH = (1 << 31) - 1  # the largest row pitch a 2-D copy takes (CU_DEVICE_ATTRIBUTE_MAX_PITCH)
@@ -249,8 +249,7 @@ class UniformCopies:
     """A uniform job's copies for the copy engines, one per page, from its ids alone: the
     same table, in the same order, that the DMA backend issues for the general planner's
     copies of the job, without planning and sorting them, which cost a block-outer job a large
-    share of its submitting where submitting bounds both directions at once (docs/transfer.md
-    F49, F56).
+    share of its submitting where submitting bounds both directions at once (docs/transfer.md).
 
     by_gpu_address: tensor by tensor, each tensor's pages in ascending GPU address (the
     DMA backend's order from SORT_BELOW_BYTES; the same as sorting every copy by its GPU

@@ -54,7 +54,7 @@ class CopyBatch:
     @cached_property
     def addresses(self) -> tuple[int, int, int]:
         """Where the source, destination and size rows start in memory (for the driver),
-        worked out once per batch: numpy's ctypes pointer is slow to read (docs/transfer.md F51)."""
+        worked out once per batch: numpy's ctypes pointer is slow to read (docs/transfer.md)."""
         rows = self.rows
         if rows.strides[1] != rows.itemsize:
             raise ValueError("a batch's rows must each be contiguous")

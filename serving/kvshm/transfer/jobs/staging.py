@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvshm.transfer.pointers import RowGeometry
-from kvshm.transfer.specs import CanonicalKVCacheRef
+from kvshm.transfer.jobs.pointers import RowGeometry
+from kvshm.transfer.jobs.specs import CanonicalKVCacheRef
 
 Int64s = npt.NDArray[np.int64]
 

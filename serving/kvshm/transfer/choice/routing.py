@@ -1,5 +1,5 @@
 """Which backend takes one handler's job, and how: as a uniform job, its tables from the block
-ids alone (kvshm.transfer.uniform), or through the general planner.
+ids alone (kvshm.transfer.jobs.uniform), or through the general planner.
 
 A backend takes the uniform jobs of the handler's layout where its prepare_uniform accepts the
 layout: the jobs named for it, and the chooser's own picks (jobs named None) where the chooser
@@ -10,14 +10,14 @@ names what is wrong with a bad spec.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from kvshm.transfer.backends.base import CopyBackend, Stream
-from kvshm.transfer.chooser import BackendChooser
-from kvshm.transfer.plan import JobPlanner
-from kvshm.transfer.uniform import UniformJob, UniformLayout
+from kvshm.transfer.backends.base import CopyBackend
+from kvshm.transfer.choice.chooser import BackendChooser
+from kvshm.transfer.jobs.plan import JobPlanner
+from kvshm.transfer.jobs.uniform import UniformJob, UniformLayout
+from kvshm.transfer.jobs.work import Stream, Work
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Route:
     """A job's backend, the work that issues it on a stream, and the bytes it moves."""
 
     backend: CopyBackend
-    work: Callable[[Stream], object]
+    work: Work
     size_bytes: int
 
 

@@ -2,7 +2,7 @@
 
 Which backend moves a layout fastest can depend on whether the other direction is moving at
 the same time: on some hosts the copy engines win one way while staging wins both ways at
-once, because one thread issues both directions' descriptors (docs/transfer.md, F17). A
+once, because one thread issues both directions' descriptors (docs/transfer.md). A
 handler given a Traffic and a backend for each case picks per job.
 """
 
