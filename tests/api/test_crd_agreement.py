@@ -11,8 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvshm.api import OffloadRegion, parse_offload_region
-from kvshm.api import resources as api_resources
+from kvshm.api import OffloadRegion, offload_region, parse_offload_region
 from kvshm.region import RegionFormat
 from tests.api.admission import REGION_SCHEMA, schema_nodes
 
@@ -406,21 +405,21 @@ def test_every_default_of_the_crd_is_the_parsers() -> None:
 
 def test_bounds_of_the_crd_are_the_parsers() -> None:
     nodes = dict(schema_nodes(REGION_SCHEMA))
-    assert nodes["spec.layout.numWorkers"]["maximum"] == api_resources.MAX_NUM_WORKERS
-    assert nodes["spec.access.uid"]["maximum"] == api_resources.MAX_ID
-    assert nodes["spec.access.gid"]["maximum"] == api_resources.MAX_ID
+    assert nodes["spec.layout.numWorkers"]["maximum"] == offload_region.MAX_NUM_WORKERS
+    assert nodes["spec.access.uid"]["maximum"] == offload_region.MAX_ID
+    assert nodes["spec.access.gid"]["maximum"] == offload_region.MAX_ID
     assert nodes["spec.access.mode"]["maximum"] == 0o777
     assert nodes["spec.instanceId"]["maxLength"] == 128
-    assert nodes["spec.placement.nodeNames"]["maxItems"] == api_resources.MAX_NODE_NAMES
+    assert nodes["spec.placement.nodeNames"]["maxItems"] == offload_region.MAX_NODE_NAMES
     assert (
         nodes["spec.placement.nodeSelector"]["maxProperties"]
-        == api_resources.MAX_NODE_SELECTOR_LABELS
+        == offload_region.MAX_NODE_SELECTOR_LABELS
     )
-    assert nodes["spec.placement.nodeSelector[*]"]["maxLength"] == api_resources.MAX_LABEL_VALUE
-    assert nodes["spec.placement.nodeNames[*]"]["maxLength"] == api_resources.MAX_DNS_SUBDOMAIN
-    assert nodes["spec.reclaimPolicy"]["enum"] == [p.value for p in api_resources.ReclaimPolicy]
+    assert nodes["spec.placement.nodeSelector[*]"]["maxLength"] == offload_region.MAX_LABEL_VALUE
+    assert nodes["spec.placement.nodeNames[*]"]["maxLength"] == offload_region.MAX_DNS_SUBDOMAIN
+    assert nodes["spec.reclaimPolicy"]["enum"] == [p.value for p in offload_region.ReclaimPolicy]
     assert nodes["spec.layout.format"]["enum"] == [f.value for f in RegionFormat]
     for key in ("gpus", "nodes"):
-        assert nodes[f"spec.numa.{key}"]["maxItems"] == api_resources.MAX_NUMA_ITEMS
-    assert nodes["spec.numa.nodes[*]"]["maximum"] == api_resources.MAX_NUMA_NODE
-    assert nodes["spec.numa.gpus[*]"]["pattern"] == f"^{api_resources._GPU_ID.pattern}$"
+        assert nodes[f"spec.numa.{key}"]["maxItems"] == offload_region.MAX_NUMA_ITEMS
+    assert nodes["spec.numa.nodes[*]"]["maximum"] == offload_region.MAX_NUMA_NODE
+    assert nodes["spec.numa.gpus[*]"]["pattern"] == f"^{offload_region._GPU_ID.pattern}$"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvshm.api import SpecError, parse_offload_region
-from kvshm.api.resources import MAX_GENERATION
+from kvshm.api.offload_region import MAX_GENERATION
 
 
 def region(**metadata: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from kvshm.api import GROUP, REGION_PLURAL, VERSION
-from kvshm.operator.settings import FINALIZER
+from kvshm.operator.kopf_settings import FINALIZER
 from tests.envtest.server import EnvTest
 from tests.operator.harness import TEST_CONFIG, Agent, Cluster, Holder, OperatorProcess
 from tests.waiting import wait_for

@@ -6,7 +6,7 @@ import kopf
 import pytest
 
 from kvshm.operator.config import ConfigError, OperatorConfig, PeeringMode
-from kvshm.operator.settings import configure
+from kvshm.operator.kopf_settings import configure
 
 
 def test_defaults_without_environment() -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from kvshm.api import GROUP, NODE_PLURAL, REGION_PLURAL, VERSION
 from kvshm.api.reading import MAX_RECLAIMS, MAX_RETAINED, format_timestamp
-from kvshm.operator.settings import FINALIZER
+from kvshm.operator.kopf_settings import FINALIZER
 from tests.envtest import manifests
 from tests.operator.harness import TEST_CONFIG, Cluster, OperatorProcess, operator_process
 from tests.waiting import wait_for

@@ -8,7 +8,7 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from kvshm.api.resources import SpecError, parse_offload_region
+from kvshm.api.offload_region import SpecError, parse_offload_region
 from kvshm.region.naming import validate_instance_id
 from kvshm.sizing.errors import SizingError
 from kvshm.sizing.plan import OffloadPlan

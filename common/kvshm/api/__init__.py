@@ -1,7 +1,7 @@
 """The kvshm.dev/v1alpha1 custom resources as typed values, shared by agent, operator and CLI:
-specs (resources), the status contract between agent and operator (status: OffloadRegion's
-reports; offload_node: OffloadNode's records; reading: how both are read back), and the names
-paths and keys derive from (address).
+OffloadRegion's spec (offload_region), the status contract between agent and operator
+(status: OffloadRegion's reports; offload_node: OffloadNode's records; reading: how both are
+read back), and the names paths and keys derive from (address).
 
 The CRDs in charts/kvshm/crds/ are the API server's source of truth; parsing here applies the
 same defaults and rules, so local mode (YAML files, no API server) accepts exactly what the
@@ -20,7 +20,7 @@ from kvshm.api.offload_node import (
     RootPages,
     parse_offload_node,
 )
-from kvshm.api.resources import (
+from kvshm.api.offload_region import (
     GROUP,
     NODE_KIND,
     NODE_PLURAL,

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvshm.api.address import NodeName
 from kvshm.api.messages import MAX_STATUS_MESSAGE, bounded
+from kvshm.api.offload_region import ReclaimOutcome
 from kvshm.api.reading import (
     MAX_AGENT_VERSION,
     MAX_INVENTORY_FILES,
@@ -29,7 +30,6 @@ from kvshm.api.reading import (
     read_nonnegative,
     read_str,
 )
-from kvshm.api.resources import ReclaimOutcome
 from kvshm.region import RegionLayout
 
 # --- OffloadNode status ----------------------------------------------------------------------

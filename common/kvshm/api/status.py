@@ -32,6 +32,7 @@ from typing import Any
 
 from kvshm.api.address import NodeName
 from kvshm.api.messages import MAX_STATUS_MESSAGE, bounded, printable
+from kvshm.api.offload_region import NodeRegionPhase, WarmIndexState
 from kvshm.api.reading import (
     MAX_INT64,
     MAX_REPORT_PATH,
@@ -43,7 +44,6 @@ from kvshm.api.reading import (
     read_int,
     read_str,
 )
-from kvshm.api.resources import NodeRegionPhase, WarmIndexState
 
 # --- OffloadRegion status.nodes.<node> -------------------------------------------------------
 

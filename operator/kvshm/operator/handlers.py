@@ -31,11 +31,11 @@ from kvshm.operator.book import RegionBook
 from kvshm.operator.cluster import ClusterSnapshot, Snapshots, first_values
 from kvshm.operator.config import OperatorConfig
 from kvshm.operator.finalizers import remove_ops
+from kvshm.operator.kopf_settings import FINALIZER, configure
 from kvshm.operator.kube import KubernetesClientWriter
 from kvshm.operator.memo import OperatorMemo, operator_config, orphan_clock
 from kvshm.operator.nodes import forget_retained, reclaims_after, removal_reason
 from kvshm.operator.orphans import OrphanDecision, announcements, decide_reclaims
-from kvshm.operator.settings import FINALIZER, configure
 
 # how old the cluster a decision reads may be: hundreds of sweeps a second at thousands of
 # nodes each copied every region's path (most of the operator's CPU at 5,000 regions)
