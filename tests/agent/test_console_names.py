@@ -1,4 +1,4 @@
-"""Tenant-chosen file names reach the console escaped, under any encoding (issue 15, item 11)."""
+"""Tenant-chosen file names reach the console escaped, under any encoding."""
 
 from __future__ import annotations
 

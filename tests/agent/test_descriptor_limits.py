@@ -1,4 +1,4 @@
-"""Descriptor exhaustion (issue 15, item 5): the agent raises its soft limit at start, and at
+"""Descriptor exhaustion: the agent raises its soft limit at start, and at
 its limit it refuses new regions with a reason instead of failing every pass."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A tenant's `kvshm_events`: planted, crafted, or left with an old owner (issue 15, items 1,
-2, 8). The tenant is an unprivileged process; the root is a small real tmpfs that really fills."""
+"""A tenant's `kvshm_events`: planted, crafted, or left with an old owner. The tenant is an
+unprivileged process; the root is a small real tmpfs that really fills."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A FIFO swapped in between the type check and the open is never opened (issue 15, item 9).
+"""A FIFO swapped in between the type check and the open is never opened.
 
 An unprivileged tenant process swaps, as fast as it can, a fresh regular file and a hard link
 of a FIFO at one name, while a second thread of it blocks opening the FIFO for writing: that

@@ -1,4 +1,4 @@
-"""A tenant's hard link to its region file (issue 15, item 7): flagged while the region lives,
+"""A tenant's hard link to its region file: flagged while the region lives,
 and on removal the region's name goes and the memory the link keeps is counted and reported."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""10,001 region-shaped files in one tenant's directory (issue 15, item 4): the inventory lists
+"""10,001 region-shaped files in one tenant's directory: the inventory lists
 a bounded number, summarises the rest in one problem, and a pass stays fast."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Local mode's YAML directory written by someone hostile (issue 15, items 6 and 12)."""
+"""Local mode's YAML directory written by someone hostile."""
 
 from __future__ import annotations
 

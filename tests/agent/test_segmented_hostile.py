@@ -1,6 +1,7 @@
-"""Issue 15's protections on every file of a multi-file (vllm-0.33) region, on a real tmpfs: a
-truncated later file is no longer Ready, a hard link to a later file is flagged and its memory
-reported when the region is removed, and the descriptor budget counts a region's files."""
+"""The protections against a hostile tenant on every file of a multi-file (vllm-0.33) region, on a
+real tmpfs: a truncated later file is no longer Ready, a hard link to a later file is flagged
+and its memory reported when the region is removed, and the descriptor budget counts a region's
+files."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Issue 15, item 12: a truncated region file, a tmpfs filled under a populate, and the
-documented worker handshake against the agent's own ring."""
+"""A hostile tenant's smaller tricks: a truncated region file, a tmpfs filled under a populate, and
+the documented worker handshake against the agent's own ring."""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ def tiny_cpu_runs(directory: Path) -> dict[str, tuple[list[str], str]]:
             ["bench/warm_restart/weights_digest.py", *tiny_weights, *where],
             "sampled digest",
         ),
-        # huge pages against 4 KiB ones (issue 35): a huge-page tmpfs mounted for the run
+        # huge pages against 4 KiB ones: a huge-page tmpfs mounted for the run
         "attach-pages": (
             ["bench/attach/run.py", "--quick", "--gib", "0.25", "--tp", "2", *pages],
             "open->ready, 4 KiB / 2 MiB pages",

@@ -1,5 +1,5 @@
 """The operator's own API writes per region, counted from the real API server's audit log: at
-most WRITE_BUDGET from create to Ready, and again from delete to gone (issue 33). Each write is
+most WRITE_BUDGET from create to Ready, and again from delete to gone. Each write is
 API server and etcd capacity the cluster's other controllers need; the agents' own writes are
 not counted here."""
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks as separate processes on one region (issue 17, on one machine): both
+"""Tensor-parallel ranks as separate processes on one region (on one machine): both
 ranks attach their cells and store at once; this process checks every stored byte of both
 through vLLM's own region views; SIGKILL of one rank mid-transfer loses nothing the other
 stored, and the agent still sees the other as a holder.
