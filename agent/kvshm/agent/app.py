@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 from datetime import datetime
 
-from kvshm.agent.config import AgentConfig, HugePagesMode
+from kvshm.agent.config import AgentConfig
 from kvshm.agent.errors import describe
 from kvshm.agent.eventwriter import IsolatedEventQueues
 from kvshm.agent.holders import HoldChecker
@@ -19,7 +19,7 @@ from kvshm.agent.local.source import LocalDirectorySource
 from kvshm.agent.loop import AgentLoop, RegionSource, StatusSink, Wakeup
 from kvshm.agent.metrics import AgentMetrics
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
-from kvshm.agent.rootpages import describe_pages, is_huge, missing_huge_pages
+from kvshm.agent.rootpages import HugePagesMode, describe_pages, is_huge, missing_huge_pages
 from kvshm.agent.saferoot import RegionRoot
 from kvshm.agent.server import Health, serve
 from kvshm.agent.version import agent_version

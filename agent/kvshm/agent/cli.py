@@ -29,11 +29,11 @@ from kvshm.agent.config import (
     LOG_LEVELS,
     AgentConfig,
     AgentConfigError,
-    HugePagesMode,
 )
 from kvshm.agent.descriptors import raise_soft_limit
 from kvshm.agent.mountroot import run as mount_root
 from kvshm.agent.printable import PrintableFormatter
+from kvshm.agent.rootpages import HugePagesMode
 from kvshm.agent.sizes import parse_bytes
 from kvshm.agent.tenantfiles import DEFAULT_ALLOWANCE_BYTES
 
