@@ -13,12 +13,12 @@ import pytest
 import kvshm.agent.hosting
 from kvshm.agent.drain import Drain
 from kvshm.agent.errors import ErrorReason
-from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion, HostingSettings
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.record import Backoff, Failure, RegionRecord, RegionState
 from kvshm.agent.reports import EventReason, NodeReport, PassResult
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.agent.view import ClusterView
 from kvshm.api import NodeRegionPhase, OffloadRegion
 from kvshm.region import RegionSpaceError, SharedOffloadRegion

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from kvshm.agent.rootpages import HugePagesMode
+from kvshm.agent.root.rootpages import HugePagesMode
 from kvshm.agent.tenantfiles import DEFAULT_ALLOWANCE_BYTES
 
 DEFAULT_ROOT = "/dev/shm/kvshm"

@@ -26,7 +26,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from kvshm.agent.notify import RegionEventQueues
-from kvshm.agent.saferoot import RegionDir
+from kvshm.agent.root.saferoot import RegionDir
 from kvshm.api import OffloadRegion
 from kvshm.region.drain_event import EVENTS_RING, DrainEvent
 

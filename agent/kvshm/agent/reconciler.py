@@ -18,14 +18,14 @@ from datetime import datetime
 from kvshm.agent.counters import Counters, NoCounters
 from kvshm.agent.drain import Drainer, DrainNotifier, DrainOutcome
 from kvshm.agent.errors import ErrorReason, classify, describe
-from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion, HostingSettings
 from kvshm.agent.inventory import InventoryScanner
 from kvshm.agent.opening import Refusal, RegionOpener, remove_failed_creation
 from kvshm.agent.reclaim import ReclaimBook, Reclaimer
 from kvshm.agent.record import Failure, RegionRecord, RegionState
 from kvshm.agent.reports import AgentEvent, EventReason, PassResult
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.agent.sizes import format_bytes
 from kvshm.agent.tenantfiles import DEFAULT_ALLOWANCE_BYTES, TenantFiles, count_tenant_files
 from kvshm.agent.topology import HostTopology

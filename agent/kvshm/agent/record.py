@@ -17,8 +17,8 @@ from enum import StrEnum
 
 from kvshm.agent.drain import Drain
 from kvshm.agent.errors import ErrorReason
-from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion
+from kvshm.agent.root.holders import HoldChecker
 from kvshm.api import NodeRegionPhase, NodeReport, OffloadRegion, WarmIndexReport
 
 

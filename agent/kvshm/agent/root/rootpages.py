@@ -18,7 +18,7 @@ import os
 import re
 from enum import StrEnum
 
-from kvshm.agent.rootfs import find_mount
+from kvshm.agent.root.rootfs import find_mount
 from kvshm.api import HugePages, RootPages
 from kvshm.region import memory
 
