@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvshm.agent.drain import DrainOutcome
+from kvshm.agent.drain.drainer import DrainOutcome
 from kvshm.agent.metrics import AgentMetrics
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.root.saferoot import RegionRoot

@@ -13,7 +13,7 @@ import yaml
 
 from kvshm.agent.app import build_app
 from kvshm.agent.cli import parse_config
-from kvshm.agent.eventwriter import IsolatedEventQueues
+from kvshm.agent.drain.eventwriter import IsolatedEventQueues
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.root.holders import HoldChecker
 from kvshm.agent.root.saferoot import RegionRoot

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvshm.agent.eventwriter import IsolatedEventQueues
+from kvshm.agent.drain.eventwriter import IsolatedEventQueues
 from kvshm.agent.hosting import HostingSettings
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.root.holders import HoldChecker

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from kvshm.agent.notify import RegionEventQueues
+from kvshm.agent.drain.notify import RegionEventQueues
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.root.holders import HoldChecker
 from kvshm.agent.root.saferoot import RegionRoot

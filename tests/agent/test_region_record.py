@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import kvshm.agent.hosting
-from kvshm.agent.drain import Drain
+from kvshm.agent.drain.drainer import Drain
 from kvshm.agent.errors import ErrorReason
 from kvshm.agent.hosting import HostedRegion, HostingSettings
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings

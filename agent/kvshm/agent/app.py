@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from kvshm.agent.config import AgentConfig
+from kvshm.agent.drain.eventwriter import IsolatedEventQueues
 from kvshm.agent.errors import describe
-from kvshm.agent.eventwriter import IsolatedEventQueues
 from kvshm.agent.hosting import HostingSettings
 from kvshm.agent.local.console import ConsoleSink
 from kvshm.agent.local.source import LocalDirectorySource

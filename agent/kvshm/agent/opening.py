@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvshm.agent.drain import DrainNotifier
+from kvshm.agent.drain.drainer import DrainNotifier
 from kvshm.agent.errors import ErrorReason, classify, describe
 from kvshm.agent.hosting import HostedRegion, HostingSettings
 from kvshm.agent.root.capacity import CapacityCheck

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from kvshm.agent.counters import Counters, NoCounters
-from kvshm.agent.drain import Drainer, DrainNotifier, DrainOutcome
+from kvshm.agent.drain.drainer import Drainer, DrainNotifier, DrainOutcome
 from kvshm.agent.errors import ErrorReason, classify, describe
 from kvshm.agent.hosting import HostedRegion, HostingSettings
 from kvshm.agent.inventory import InventoryScanner

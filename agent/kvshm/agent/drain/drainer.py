@@ -43,7 +43,7 @@ NOTHING_HERE = "nothing of the region is on this node"
 
 
 class DrainNotifier(Protocol):
-    """Delivers drain events to the processes attached to a region (kvshm.agent.notify)."""
+    """Delivers drain events to the processes attached to a region (kvshm.agent.drain.notify)."""
 
     def prepare(self, region_dir: RegionDir, region: OffloadRegion) -> None:
         """Set up the region's channel when the agent opens the region (workers join it)."""
