@@ -62,3 +62,14 @@ def test_every_package_is_typed() -> None:
         for package in (ROOT / root / "kvshm").iterdir():
             if package.is_dir() and (package / "__init__.py").exists():
                 assert (package / "py.typed").exists(), f"{package} lacks py.typed"
+
+
+def test_agent_modules_fit_in_a_reading() -> None:
+    # a reader takes a module in whole; one past this holds more than one job to split off
+    longest = 420
+    too_long = {
+        str(path.relative_to(ROOT)): lines
+        for path in (ROOT / "agent").rglob("*.py")
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > longest
+    }
+    assert not too_long, f"agent modules over {longest} lines: {too_long}"

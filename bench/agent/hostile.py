@@ -183,9 +183,9 @@ def attack_ring(bench: Bench) -> Row:
 
 _INVENTORY = """
 import json, os, resource, sys, time
-from kvshm.agent.holders import HoldChecker
+from kvshm.agent.root.holders import HoldChecker
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.agent.view import ClusterView
 class Quiet:
     def prepare(self, *a): pass

@@ -30,10 +30,10 @@ from typing import Any
 
 import yaml
 
-from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostingSettings
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.agent.view import ClusterView, KnownRegion
 from kvshm.api import NodeRegionPhase, parse_offload_region
 from kvshm.region import memory

@@ -1,7 +1,7 @@
 """Region roots with and without huge pages, for the benchmarks that compare them
 (bench/populate, bench/attach, bench/vllm_plugin/pages.py): a tmpfs mounted huge=within_size
 for the run, or one given; and what pages a root gives a region file, found as the agent finds
-them (kvshm.agent.rootpages: by making one)."""
+them (kvshm.agent.root.rootpages: by making one)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvshm.agent.mountroot import mount_tmpfs
-from kvshm.agent.rootpages import describe_pages, is_huge, probe_pages
+from kvshm.agent.root.mountroot import mount_tmpfs
+from kvshm.agent.root.rootpages import describe_pages, is_huge, probe_pages
 from kvshm.api import RootPages
 
 MNT_DETACH = 2

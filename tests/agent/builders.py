@@ -11,11 +11,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostingSettings
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.reports import PassResult
-from kvshm.agent.saferoot import RegionDir, RegionRoot
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.saferoot import RegionDir, RegionRoot
 from kvshm.agent.view import ClusterView, KnownRegion
 from kvshm.api import OffloadRegion, ReclaimRequest, parse_offload_region
 from kvshm.region.drain_event import DrainEvent

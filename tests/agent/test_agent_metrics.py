@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvshm.agent.drain import DrainOutcome
+from kvshm.agent.drain.drainer import DrainOutcome
 from kvshm.agent.metrics import AgentMetrics
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.agent.server import Health, serve
 from tests.agent.builders import RecordingNotifier, reclaim, region, region_dir, settle, view
 from tests.agent.cluster import REPO

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.agent.notify import CHUNK_BYTES, CHUNKS, EVENTS_RING
+from kvshm.agent.drain.notify import CHUNK_BYTES, CHUNKS, EVENTS_RING
 from kvshm.ipc import MessageQueue, RingFormatError, RingLayout
 from kvshm.ipc.layout import MAGIC, VERSION
 from kvshm.ipc.ringfile import RingFile

@@ -13,10 +13,10 @@ import yaml
 
 from kvshm.agent.app import build_app
 from kvshm.agent.cli import parse_config
-from kvshm.agent.eventwriter import IsolatedEventQueues
-from kvshm.agent.holders import HoldChecker
+from kvshm.agent.drain.eventwriter import IsolatedEventQueues
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.api import NodeRegionPhase
 from kvshm.ipc import MessageQueue
 from kvshm.region.drain_event import EVENTS_RING

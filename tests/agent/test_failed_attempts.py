@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from kvshm.agent.eventwriter import IsolatedEventQueues
-from kvshm.agent.holders import HoldChecker
+from kvshm.agent.drain.eventwriter import IsolatedEventQueues
 from kvshm.agent.hosting import HostingSettings
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.api import NodeRegionPhase, NodeReport, OffloadRegion, parse_offload_region
 from kvshm.region.drain_event import EVENTS_RING
 from tests.agent.builders import MIB, make_reconciler, settle, view

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvshm.agent.holders import HoldChecker, scan_proc
+from kvshm.agent.root.holders import HoldChecker, scan_proc
 from kvshm.region import RegionLayout, SharedOffloadRegion
 from tests.agent.builders import holding, leasing
 
@@ -74,7 +74,7 @@ def test_a_read_lease_counts_as_holding_the_file(shm_dir: Path) -> None:
 
 COUNT_IN_PID_NAMESPACE = """
 import json, os, sys
-from kvshm.agent.holders import HoldChecker
+from kvshm.agent.root.holders import HoldChecker
 path, host_table = sys.argv[1], sys.argv[2]
 st = os.stat(path)
 counts = {}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.api import NodeRegionPhase, ReclaimOutcome
 from kvshm.region import UnsafePathError
 from tests.agent.builders import make_reconciler, reclaim, region, region_dir, settle, view

@@ -14,7 +14,7 @@ import yaml
 
 from kvshm.agent.reconciler import NodeReconciler
 from kvshm.agent.reports import AgentEvent, EventReason, PassResult
-from kvshm.agent.rootpages import probe_pages
+from kvshm.agent.root.rootpages import probe_pages
 from kvshm.agent.view import ClusterView
 from kvshm.api import HugePages, NodeRegionPhase, ReclaimOutcome, RootPages
 from kvshm.region import RegionLayout, SharedOffloadRegion, memory

@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from kvshm.agent.saferoot import MAX_REGION_FILES
+from kvshm.agent.root.saferoot import MAX_REGION_FILES
 from kvshm.agent.view import ClusterView
 from kvshm.api import NodeRegionPhase
 from tests.agent.builders import make_reconciler, region, settle, view

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.agent.rootfs import find_mount
+from kvshm.agent.root.rootfs import find_mount
 from tests.agent.cluster import REPO
 from tests.conftest import mounted_tmpfs
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import yaml
 
-from kvshm.agent.holders import HoldChecker
-from kvshm.agent.notify import RegionEventQueues
+from kvshm.agent.drain.notify import RegionEventQueues
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.api import NodeRegionPhase
 from kvshm.ipc import MessageQueue
 from kvshm.region.drain_event import EVENTS_RING

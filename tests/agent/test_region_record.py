@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 
 import kvshm.agent.hosting
-from kvshm.agent.drain import Drain
+from kvshm.agent.drain.drainer import Drain
 from kvshm.agent.errors import ErrorReason
-from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion, HostingSettings
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.record import Backoff, Failure, RegionRecord, RegionState
 from kvshm.agent.reports import EventReason, NodeReport, PassResult
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.agent.view import ClusterView
 from kvshm.api import NodeRegionPhase, OffloadRegion
 from kvshm.region import RegionSpaceError, SharedOffloadRegion

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.saferoot import RegionRoot
 from tests.agent.builders import local_agent, manifest
 from tests.agent.cluster import REPO
 

@@ -9,7 +9,7 @@ import os
 import resource
 from pathlib import Path
 
-from kvshm.agent.descriptors import DescriptorBudget, open_descriptors
+from kvshm.agent.root.descriptors import DescriptorBudget, open_descriptors
 from kvshm.api import NodeRegionPhase
 from tests.agent.builders import make_reconciler, settle, view
 from tests.agent.test_segmented_regions import FILE_0, FILE_1, ROW, files, segmented

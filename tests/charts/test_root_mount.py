@@ -11,8 +11,8 @@ import kubernetes
 import pytest
 
 from kvshm.agent.cli import parse_config
-from kvshm.agent.config import HugePagesMode
-from kvshm.agent.mountroot import build_parser
+from kvshm.agent.root.mountroot import build_parser
+from kvshm.agent.root.rootpages import HugePagesMode
 from tests.charts.rendering import EXAMPLE_VALUES, find, render
 from tests.charts.test_kubernetes_schemas import validate_builtin
 from tests.charts.tools import CHART, run, tool

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvshm.agent.holders import HoldChecker
+from kvshm.agent.root.holders import HoldChecker
 from kvshm.region import (
     RegionFormat,
     RegionLayout,

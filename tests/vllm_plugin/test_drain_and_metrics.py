@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from kvshm.agent.notify import CHUNK_BYTES, CHUNKS, EVENTS_RING
+from kvshm.agent.drain.notify import CHUNK_BYTES, CHUNKS, EVENTS_RING
 from kvshm.ipc import MessageQueue, WaitPolicy
 from kvshm.ipc.codec import FIRST, FRAGMENT
 from kvshm.region.drain_event import DrainEvent
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def agent_events(shm_dir: Path) -> MessageQueue:
-    """The agent's event queue in the region directory, as kvshm.agent.notify makes it."""
+    """The agent's event queue in the region directory, as kvshm.agent.drain.notify makes it."""
     return MessageQueue(
         2,
         CHUNK_BYTES,

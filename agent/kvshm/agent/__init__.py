@@ -3,7 +3,7 @@ under the region root, from OffloadRegion resources (cluster mode) or YAML files
 
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
 from kvshm.agent.reports import PassResult
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.agent.view import ClusterView, KnownRegion
 
 __all__ = [

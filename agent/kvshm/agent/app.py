@@ -9,18 +9,18 @@ import threading
 from dataclasses import dataclass
 from datetime import datetime
 
-from kvshm.agent.config import AgentConfig, HugePagesMode
+from kvshm.agent.config import AgentConfig
+from kvshm.agent.drain.eventwriter import IsolatedEventQueues
 from kvshm.agent.errors import describe
-from kvshm.agent.eventwriter import IsolatedEventQueues
-from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostingSettings
 from kvshm.agent.local.console import ConsoleSink
 from kvshm.agent.local.source import LocalDirectorySource
 from kvshm.agent.loop import AgentLoop, RegionSource, StatusSink, Wakeup
 from kvshm.agent.metrics import AgentMetrics
 from kvshm.agent.reconciler import NodeReconciler, ReconcilerSettings
-from kvshm.agent.rootpages import describe_pages, is_huge, missing_huge_pages
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.rootpages import HugePagesMode, describe_pages, is_huge, missing_huge_pages
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.agent.server import Health, serve
 from kvshm.agent.version import agent_version
 from kvshm.api import NodeRegionPhase

@@ -29,11 +29,11 @@ from kvshm.agent.config import (
     LOG_LEVELS,
     AgentConfig,
     AgentConfigError,
-    HugePagesMode,
 )
-from kvshm.agent.descriptors import raise_soft_limit
-from kvshm.agent.mountroot import run as mount_root
 from kvshm.agent.printable import PrintableFormatter
+from kvshm.agent.root.descriptors import raise_soft_limit
+from kvshm.agent.root.mountroot import run as mount_root
+from kvshm.agent.root.rootpages import HugePagesMode
 from kvshm.agent.sizes import parse_bytes
 from kvshm.agent.tenantfiles import DEFAULT_ALLOWANCE_BYTES
 
@@ -193,7 +193,7 @@ def parse_config(
 
 def run(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["mount-root"]:  # the chart's init container: kvshm.agent.mountroot
+    if argv[:1] == ["mount-root"]:  # the chart's init container: kvshm.agent.root.mountroot
         return mount_root(argv[1:])
     config = parse_config(argv)
     if isinstance(sys.stdout, io.TextIOWrapper):  # a console in any encoding never fails a pass

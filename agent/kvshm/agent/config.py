@@ -8,22 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from types import MappingProxyType
 
+from kvshm.agent.root.rootpages import HugePagesMode
 from kvshm.agent.tenantfiles import DEFAULT_ALLOWANCE_BYTES
 
 DEFAULT_ROOT = "/dev/shm/kvshm"
 DEFAULT_PORT = 9464
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-class HugePagesMode(StrEnum):
-    """--huge-pages: what the agent does when the root gives region files no huge pages."""
-
-    WARN = "warn"  # start, and warn: the log, the OffloadNode's HugePages condition
-    REQUIRE = "require"  # refuse to start (exit 2), saying how to mount the root
-    IGNORE = "ignore"  # start, say nothing
 
 
 class AgentConfigError(ValueError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvshm.agent.drain import DrainOutcome
+from kvshm.agent.drain.drainer import DrainOutcome
 from kvshm.agent.errors import ErrorReason
 from kvshm.api import ReclaimOutcome
 

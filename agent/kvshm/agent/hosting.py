@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvshm.agent.errors import ErrorReason, classify, describe
-from kvshm.agent.rootpages import describe_pages, is_huge
-from kvshm.agent.saferoot import RegionDir, RegionRoot, set_owner_and_mode
+from kvshm.agent.root.rootpages import describe_pages, is_huge
+from kvshm.agent.root.saferoot import RegionDir, RegionRoot, set_owner_and_mode
 from kvshm.agent.sizes import format_bytes
 from kvshm.agent.throttle import RateLimit
 from kvshm.agent.topology import NumaChoice

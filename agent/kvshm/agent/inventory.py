@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from kvshm.agent.errors import describe
-from kvshm.agent.holders import HoldChecker
-from kvshm.agent.regionfiles import describe_unsafe, files_of, find_region_files, is_held
-from kvshm.agent.saferoot import RegionDir, RegionRoot
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.regionfiles import describe_unsafe, files_of, find_region_files, is_held
+from kvshm.agent.root.saferoot import RegionDir, RegionRoot
 from kvshm.api import InvalidAddressError, InventoryFile, NodeInventory, RegionAddress
 from kvshm.api.reading import MAX_INVENTORY_FILES, whole_seconds
 from kvshm.region import UnsafePathError

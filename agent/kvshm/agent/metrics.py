@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvshm.agent.drain import DrainOutcome
+from kvshm.agent.drain.drainer import DrainOutcome
 from kvshm.agent.errors import ErrorReason
 from kvshm.agent.reports import PassResult
 from kvshm.api import NodeRegionPhase, ReclaimOutcome

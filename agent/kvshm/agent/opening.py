@@ -10,14 +10,14 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvshm.agent.capacity import CapacityCheck
-from kvshm.agent.descriptors import DescriptorBudget
-from kvshm.agent.drain import DrainNotifier
+from kvshm.agent.drain.drainer import DrainNotifier
 from kvshm.agent.errors import ErrorReason, classify, describe
-from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion, HostingSettings
-from kvshm.agent.regionfiles import RegionFileSet, files_of, holding_all, unlink_held
-from kvshm.agent.saferoot import RegionDir, RegionRoot
+from kvshm.agent.root.capacity import CapacityCheck
+from kvshm.agent.root.descriptors import DescriptorBudget
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.regionfiles import RegionFileSet, files_of, holding_all, unlink_held
+from kvshm.agent.root.saferoot import RegionDir, RegionRoot
 from kvshm.agent.topology import HostTopology, NumaSpecError
 from kvshm.agent.topology import choose as choose_numa
 from kvshm.api import NodeRegionPhase, OffloadRegion, RootPages

@@ -14,16 +14,16 @@ from datetime import UTC, datetime
 
 from kvshm.agent.counters import Counters
 from kvshm.agent.errors import ErrorReason, describe
-from kvshm.agent.holders import HoldChecker
-from kvshm.agent.regionfiles import (
+from kvshm.agent.reports import AgentEvent, EventReason
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.regionfiles import (
     describe_unsafe,
     files_of,
     holding_all,
     remove_index,
     unlink_held,
 )
-from kvshm.agent.reports import AgentEvent, EventReason
-from kvshm.agent.saferoot import RegionDir, RegionRoot
+from kvshm.agent.root.saferoot import RegionDir, RegionRoot
 from kvshm.api import ReclaimOutcome, ReclaimRequest, ReclaimResult, RegionAddress
 from kvshm.region import UnsafePathError
 

@@ -4,7 +4,7 @@ Level-based and free of Kubernetes: each pass takes a ClusterView (what a source
 creates, adopts, populates, locks, drains and removes region files until they match it, then
 returns every region's NodeReport, the node inventory, reclaim results and the events worth
 telling. Slow work (populating, waiting for holders) never blocks a pass: it runs in threads or
-is re-checked on the next pass.
+is re-checked on the next pass. What leaves the node each pass is kvshm.agent.departures'.
 """
 
 from __future__ import annotations
@@ -16,23 +16,23 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from kvshm.agent.counters import Counters, NoCounters
-from kvshm.agent.drain import Drainer, DrainNotifier, DrainOutcome
+from kvshm.agent.departures import Departures
+from kvshm.agent.drain.drainer import Drainer, DrainNotifier
 from kvshm.agent.errors import ErrorReason, classify, describe
-from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion, HostingSettings
 from kvshm.agent.inventory import InventoryScanner
 from kvshm.agent.opening import Refusal, RegionOpener, remove_failed_creation
 from kvshm.agent.reclaim import ReclaimBook, Reclaimer
 from kvshm.agent.record import Failure, RegionRecord, RegionState
 from kvshm.agent.reports import AgentEvent, EventReason, PassResult
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.agent.sizes import format_bytes
 from kvshm.agent.tenantfiles import DEFAULT_ALLOWANCE_BYTES, TenantFiles, count_tenant_files
 from kvshm.agent.topology import HostTopology
 from kvshm.agent.view import ClusterView
 from kvshm.agent.warmindex import read_warm_index
 from kvshm.api import (
-    InventoryFile,
     NodeRegionPhase,
     NodeReport,
     OffloadRegion,
@@ -86,13 +86,18 @@ class NodeReconciler:
             wake,
             settings.topology,
         )
-        self._drainer = Drainer(root, self._holds, notifier, settings.drain_grace_seconds, clock)
         self._inventory = InventoryScanner(
             root, self._holds, settings.reserve_bytes, settings.huge_pages_wanted
         )
         self._reclaims = ReclaimBook(Reclaimer(root, self._holds), self._counters)
         self._records: dict[str, RegionRecord] = {}  # key -> everything known of the region
         self._events: list[AgentEvent] = []
+        self._departures = Departures(
+            self._records,
+            Drainer(root, self._holds, notifier, settings.drain_grace_seconds, clock),
+            self._counters,
+            self._event,
+        )
 
     # -- one pass --------------------------------------------------------------------------
 
@@ -104,11 +109,7 @@ class NodeReconciler:
         scan = self._inventory.scan(
             lambda address: self._claimant(view, address), view.listed_first
         )
-        self._release_unwanted(view, desired)
-        self._drain_leftovers(view, desired, scan.inventory.files)
-        self._report_given_up(view, given_up)
-        self._settle_earlier_reports(view, desired)
-        self._advance_drains()
+        self._departures.run(view, desired, scan.inventory.files, given_up)
         for key in sorted(desired):
             if key not in view.invalid:
                 self._ensure(desired[key])
@@ -169,117 +170,6 @@ class NodeReconciler:
         if record is not None and record.claims(address.instance_id):
             return key
         return view.claimant(address)
-
-    # -- leaving ---------------------------------------------------------------------------
-
-    def _release_unwanted(self, view: ClusterView, desired: dict[str, OffloadRegion]) -> None:
-        for key, record in list(self._records.items()):
-            hosted = record.hosted
-            if hosted is None:
-                continue
-            if key in view.invalid:
-                continue  # an unreadable spec changes nothing that exists (loses nothing)
-            target = desired.get(key)
-            if target is not None and target.instance_id == hosted.region.instance_id:
-                continue
-            if target is not None:
-                reason = (
-                    f"instanceId changed from {hosted.region.instance_id!r} to "
-                    f"{target.instance_id!r}"
-                )
-            elif key in view.regions and not view.regions[key].deleting:
-                reason = f"no longer placed on node {view.node_name}"
-            else:
-                reason = "region deleted"
-            self._begin_drain(record, hosted.region, hosted, reason)
-
-    def _drain_leftovers(
-        self, view: ClusterView, desired: dict[str, OffloadRegion], files: tuple[InventoryFile, ...]
-    ) -> None:
-        """Files of regions that exist but are not placed here (the agent was down when the
-        placement changed or the deletion started): drain those too."""
-        for file in files:
-            key = file.claimed_by
-            known = view.regions.get(key)
-            if known is None or key in desired:
-                continue
-            record = self._record(key)
-            if record.hosted is not None or record.removed is not None:
-                continue
-            if known.region.instance_id not in record.drains:
-                reason = "region deleted" if known.deleting else "not placed on this node"
-                self._begin_drain(record, known.region, None, reason)
-
-    def _report_given_up(self, view: ClusterView, given_up: list[OffloadRegion]) -> None:
-        """A failed region no longer wanted here (deleted, or placed elsewhere) whose file is
-        not on the node (the inventory found none to drain) is cleared and Removed: its last
-        report, Failed, would otherwise hold its deletion forever."""
-        for region in given_up:
-            record = self._record(region.key)
-            known = view.regions.get(region.key)
-            if known is not None and region.instance_id not in record.drains:
-                self._clear(record, region, known.deleting)
-
-    def _settle_earlier_reports(self, view: ClusterView, desired: dict[str, OffloadRegion]) -> None:
-        """A region deleted or placed elsewhere that this process knows nothing of, while its
-        status.nodes.<node> still says this node may hold its files: a report an earlier agent
-        process left (Failed; or Draining, when it stopped after removing the files). Nothing
-        else would ever replace it, and the operator waits for it to say Removed."""
-        for key, known in view.regions.items():
-            if key in desired or key in self._records or not known.reported_holding:
-                continue
-            self._clear(self._record(key), known.region, known.deleting)
-
-    def _clear(self, record: RegionRecord, region: OffloadRegion, deleting: bool) -> None:
-        """Removed once nothing of the region is left on the node: drained if a file of it
-        is there after all."""
-        try:
-            step = self._drainer.clear(region)
-        except (RegionError, OSError) as exc:  # looked at again on the next pass
-            log.warning(
-                "could not look at what is left of region %s: %s", region.key, describe(exc)
-            )
-            return
-        if step is None:
-            why = "region deleted" if deleting else "not placed on this node"
-            self._begin_drain(record, region, None, why)
-            return
-        record.note_removed(
-            NodeReport(
-                NodeRegionPhase.REMOVED, message=step.message, observed_generation=region.generation
-            )
-        )
-
-    def _begin_drain(
-        self, record: RegionRecord, region: OffloadRegion, hosted: HostedRegion | None, why: str
-    ) -> None:
-        record.draining(self._drainer.begin(region, hosted, why))
-        self._event(EventReason.DRAINING, region, f"draining: {why}")
-
-    def _advance_drains(self) -> None:
-        for record in list(self._records.values()):
-            for instance_id, drain in list(record.drains.items()):
-                try:
-                    step = self._drainer.advance(drain)
-                except (RegionError, OSError) as exc:
-                    drain.message = f"drain failed, retried on the next pass: {describe(exc)}"
-                    self._counters.error(ErrorReason.DRAIN)
-                    continue
-                drain.message = step.message
-                if step.outcome is None:
-                    continue
-                region = drain.region
-                if step.outcome is not DrainOutcome.RETAINED:
-                    self._counters.drained(step.outcome)
-                record.drained(
-                    instance_id,
-                    NodeReport(
-                        NodeRegionPhase.REMOVED,
-                        message=step.message,
-                        observed_generation=region.generation,
-                    ),
-                )
-                self._event(EventReason.DRAINED, region, step.message)
 
     # -- holding ---------------------------------------------------------------------------
 
@@ -414,7 +304,7 @@ class NodeReconciler:
 
     def _forget(self, view: ClusterView, desired: dict[str, OffloadRegion]) -> list[OffloadRegion]:
         """Removed reports stay while their region exists (and for one pass after), failures
-        while it is wanted. Returns the failed regions given up on (see _report_given_up)."""
+        while it is wanted. Returns the failed regions given up on (Departures clears them)."""
         given_up = []
         for key, record in self._records.items():
             if key not in view.regions:

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from kvshm.agent.drain import Drain
+from kvshm.agent.drain.drainer import Drain
 from kvshm.agent.errors import ErrorReason
-from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion
+from kvshm.agent.root.holders import HoldChecker
 from kvshm.api import NodeRegionPhase, NodeReport, OffloadRegion, WarmIndexReport
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import stat
 from dataclasses import dataclass
 
-from kvshm.agent import dirwalk
-from kvshm.agent.saferoot import RegionDir
+from kvshm.agent.root import dirwalk
+from kvshm.agent.root.saferoot import RegionDir
 from kvshm.agent.sizes import format_bytes
 from kvshm.api import OffloadRegion
 from kvshm.region.drain_event import EVENTS_RING

@@ -11,7 +11,7 @@ import math
 from datetime import UTC, datetime
 
 from kvshm.agent.errors import describe
-from kvshm.agent.saferoot import RegionRoot
+from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.api import OffloadRegion, WarmIndexReport, WarmIndexState
 from kvshm.region.index import IndexReading, read_outcome
 

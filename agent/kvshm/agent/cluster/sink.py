@@ -30,7 +30,7 @@ from kvshm.agent.inventory import (
     published_files,
 )
 from kvshm.agent.reports import AgentEvent, PassResult
-from kvshm.agent.rootpages import describe_pages, is_huge, missing_huge_pages
+from kvshm.agent.root.rootpages import describe_pages, is_huge, missing_huge_pages
 from kvshm.api import (
     GROUP,
     NODE_KIND,

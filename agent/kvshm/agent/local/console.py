@@ -10,7 +10,7 @@ from kvshm.agent.gate import ReportGate
 from kvshm.agent.inventory import RootScan
 from kvshm.agent.printable import encodable
 from kvshm.agent.reports import EventReason, PassResult
-from kvshm.agent.rootpages import describe_pages
+from kvshm.agent.root.rootpages import describe_pages
 from kvshm.agent.sizes import format_bytes
 from kvshm.api import NodeRegionPhase, NodeReport
 from kvshm.api.messages import printable

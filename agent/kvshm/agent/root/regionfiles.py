@@ -19,8 +19,8 @@ import stat
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from kvshm.agent.holders import FileCheck, HoldChecker
-from kvshm.agent.saferoot import RegionDir
+from kvshm.agent.root.holders import FileCheck, HoldChecker
+from kvshm.agent.root.saferoot import RegionDir
 from kvshm.region import RegionFileName
 from kvshm.region.naming import MAX_SEGMENT_INDEX, index_file_name, segment_file_name
 from kvshm.region.safefile import check_regular, describe_file_type

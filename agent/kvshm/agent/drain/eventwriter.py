@@ -25,8 +25,8 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from kvshm.agent.notify import RegionEventQueues
-from kvshm.agent.saferoot import RegionDir
+from kvshm.agent.drain.notify import RegionEventQueues
+from kvshm.agent.root.saferoot import RegionDir
 from kvshm.api import OffloadRegion
 from kvshm.region.drain_event import EVENTS_RING, DrainEvent
 

@@ -43,10 +43,9 @@ import stat
 import sys
 from collections.abc import Sequence
 
-from kvshm.agent import dirwalk
-from kvshm.agent.config import HugePagesMode
-from kvshm.agent.rootfs import TMPFS_MAGIC, Mount, filesystem_magic, mount_at
-from kvshm.agent.rootpages import describe_pages, is_huge, probe_pages
+from kvshm.agent.root import dirwalk
+from kvshm.agent.root.rootfs import TMPFS_MAGIC, Mount, filesystem_magic, mount_at
+from kvshm.agent.root.rootpages import HugePagesMode, describe_pages, is_huge, probe_pages
 from kvshm.agent.sizes import format_bytes
 from kvshm.api import HugePages
 from kvshm.region import memory

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvshm.agent.errors import describe
-from kvshm.agent.rootfs import require_tmpfs
-from kvshm.agent.rootpages import probe_pages
+from kvshm.agent.root.rootfs import require_tmpfs
+from kvshm.agent.root.rootpages import probe_pages
 from kvshm.api import RegionAccess, RootPages, region_key
 from kvshm.api.address import is_dns_label, is_dns_subdomain
 from kvshm.api.messages import printable

@@ -4,8 +4,9 @@ Every kvshm attacher (SharedOffloadRegion) holds a shared flock on the region fi
 as it has it open. The agent probes with a non-blocking exclusive flock on a descriptor of its
 own: it is granted only when no other open file description holds a lock. flock locks belong to
 open file descriptions, so the agent's own mapping counts only if the agent kept its lock; it
-drops it after opening (see hosting.py). While the probe holds the exclusive lock a new attacher
-cannot take its shared one and retries, which is what makes "probe, then remove" safe.
+lets go of it before it probes to remove a region (kvshm.agent.hosting). While the probe holds
+the exclusive lock a new attacher cannot take its shared one and retries, which is what makes
+"probe, then remove" safe.
 
 A read lease (F_SETLEASE) counts as holding too: it makes the probe's open fail with EWOULDBLOCK.
 

@@ -16,8 +16,9 @@ import logging
 import mmap
 import os
 import re
+from enum import StrEnum
 
-from kvshm.agent.rootfs import find_mount
+from kvshm.agent.root.rootfs import find_mount
 from kvshm.api import HugePages, RootPages
 from kvshm.region import memory
 
@@ -25,6 +26,14 @@ log = logging.getLogger(__name__)
 
 SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 _HUGE_SETTINGS = (HugePages.WITHIN_SIZE, HugePages.ALWAYS, HugePages.FORCE)
+
+
+class HugePagesMode(StrEnum):
+    """--huge-pages: what the agent does when the root gives region files no huge pages."""
+
+    WARN = "warn"  # start, and warn: the log, the OffloadNode's HugePages condition
+    REQUIRE = "require"  # refuse to start (exit 2), saying how to mount the root
+    IGNORE = "ignore"  # start, say nothing
 
 
 def huge_setting(fd: int, path: str, shmem_enabled: str = SHMEM_ENABLED) -> HugePages:

@@ -21,9 +21,9 @@ from enum import StrEnum
 from typing import Protocol
 
 from kvshm.agent.errors import describe
-from kvshm.agent.holders import HoldChecker
 from kvshm.agent.hosting import HostedRegion
-from kvshm.agent.regionfiles import (
+from kvshm.agent.root.holders import HoldChecker
+from kvshm.agent.root.regionfiles import (
     FoundFile,
     describe_unsafe,
     files_of,
@@ -32,7 +32,7 @@ from kvshm.agent.regionfiles import (
     unlink_held,
     unlink_unheld,
 )
-from kvshm.agent.saferoot import RegionDir, RegionRoot
+from kvshm.agent.root.saferoot import RegionDir, RegionRoot
 from kvshm.agent.sizes import format_bytes
 from kvshm.api import OffloadRegion, ReclaimPolicy, region_key
 from kvshm.api.messages import printable
@@ -43,7 +43,7 @@ NOTHING_HERE = "nothing of the region is on this node"
 
 
 class DrainNotifier(Protocol):
-    """Delivers drain events to the processes attached to a region (kvshm.agent.notify)."""
+    """Delivers drain events to the processes attached to a region (kvshm.agent.drain.notify)."""
 
     def prepare(self, region_dir: RegionDir, region: OffloadRegion) -> None:
         """Set up the region's channel when the agent opens the region (workers join it)."""
