@@ -27,11 +27,28 @@ import yaml
 
 from kvshm.region import RegionLayout
 from tests.envtest.server import REPO
+from tests.node.chart import wait
+from tests.node.node import Node
+from tests.node.regions import apply_manifest
 
 EXAMPLE = REPO / "examples" / "serving"
 WORKER = Path(__file__).parent / "serving_worker.py"
 NUM_BLOCKS = 512
 WORKER_CONFIGMAP = "kvshm-node-serving-worker"
+
+
+def apply_namespace(node: Node) -> None:
+    """examples/serving/namespace.yaml, once a namespace of that name an earlier test deleted
+    is gone: one being deleted takes no new objects, and applying it again changes nothing."""
+    [namespace] = load("namespace.yaml")
+    name = namespace["metadata"]["name"]
+    wait(
+        lambda: node.kubectl(
+            "get", "namespace", name, "--ignore-not-found", "-o", "jsonpath={.status.phase}"
+        ) != "Terminating",
+        180, f"namespace {name} of an earlier test gone", node,
+    )  # fmt: skip
+    apply_manifest(node, yaml.safe_dump(namespace))
 
 
 def load(name: str) -> list[dict[str, Any]]:

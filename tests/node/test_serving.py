@@ -25,6 +25,7 @@ from tests.node.node import NODE_NAME, Node, NodeError
 from tests.node.regions import apply_manifest, node_report, region, region_phase, remove_regions
 from tests.node.serving import (
     EXAMPLE,
+    apply_namespace,
     deployment,
     load,
     pattern,
@@ -48,7 +49,7 @@ def production(
     node.kubectl("label", "node", NODE_NAME, f"{GPU_LABEL}=true", "--overwrite")
     release.install("-f", str(CHART / "values-production.yaml"))
     release.wait_ready()
-    apply_manifest(node, (EXAMPLE / "namespace.yaml").read_text())
+    apply_namespace(node)
     apply_manifest(node, (EXAMPLE / "wait-for-region.yaml").read_text())
     yield release
     remove_regions(node)

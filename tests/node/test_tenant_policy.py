@@ -29,7 +29,7 @@ import pytest
 from tests.node.chart import NAMESPACE, Release, wait
 from tests.node.node import PAUSE_IMAGE, Node, NodeError
 from tests.node.regions import apply_manifest
-from tests.node.serving import EXAMPLE, load
+from tests.node.serving import apply_namespace, load
 
 TENANT = "serving"  # examples/serving/namespace.yaml
 OTHER = "not-a-tenant"
@@ -223,7 +223,7 @@ def tenants(
     release = Release(node, tmp_path_factory.mktemp("helm"))
     started = time.monotonic()
     release.install()
-    apply_manifest(node, (EXAMPLE / "namespace.yaml").read_text())
+    apply_namespace(node)
     node.kubectl("create", "namespace", OTHER)
     node.kubectl("label", "namespace", OTHER, "pod-security.kubernetes.io/enforce=privileged")
     wait(
