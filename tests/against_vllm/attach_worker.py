@@ -2,12 +2,14 @@
 /dev/shm/vllm_offload_<id>.mmap with vLLM's own SharedOffloadRegion, called exactly as that
 release's CPUOffloadingSpec.create_worker calls it (a barrier over all ranks; 0.33 also asks
 for 32 segments), carves one view per tensor as CPUOffloadingWorker does, writes its pattern,
-then reads the one kvshm wrote. Run inside a mount namespace whose /dev/shm is the region's
-directory. Prints one JSON line."""
+then reads the one kvshm wrote. Run inside a mount namespace whose /dev/shm shows the region
+(its directory, or links to its files). Prints one JSON line: what it read wrong, the inodes of
+the region files it mapped, and the symlinks /dev/shm still holds once it let go."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,6 +40,17 @@ def wait_for(condition, timeout: float = 120.0) -> None:  # type: ignore[no-unty
         if time.monotonic() > deadline:
             raise TimeoutError("the test side never answered")
         time.sleep(0.01)
+
+
+def mapped_region_inodes() -> list[int]:
+    """The inodes of the vllm_offload_* files this process maps (/proc/self/maps)."""
+    inodes = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith("vllm_offload_"):
+                inodes.add(int(fields[4]))
+    return sorted(inodes)
 
 
 def main() -> None:
@@ -75,8 +88,17 @@ def main() -> None:
         if not view[block].equal(pattern("kvshm", slot, block, tensor, job["tensor_page"]))
     ]
     created = region._creator
+    mapped = mapped_region_inodes()
     region.cleanup()
-    print(json.dumps({"version": vllm.__version__, "creator": created, "wrong": wrong}))
+    links = sorted(entry.name for entry in os.scandir("/dev/shm") if entry.is_symlink())
+    print(
+        json.dumps(
+            {
+                "version": vllm.__version__, "creator": created, "wrong": wrong,
+                "mapped": mapped, "links": links,
+            }
+        )
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

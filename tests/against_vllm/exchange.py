@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvshm.region import RegionLayout
 from tests.against_vllm.patterns import pattern
-from tests.against_vllm.test_attach_with_vllm import _wait_for_files, _worker
+from tests.against_vllm.test_attach_with_vllm import _wait_for_files, _worker, vllm_report
 from tests.agent_region import attach_as_worker
 
 
@@ -23,8 +23,11 @@ def exchange_with_vllm(
     blocks: list[int],
     tensors: int,
     sync_dir: Path,
+    shm: str = "directory",
 ) -> None:
-    """Run the exchange; vLLM must join the region and remove none of its files."""
+    """Run the exchange with vLLM's /dev/shm showing the region as `shm` says
+    (test_attach_with_vllm.MOUNT_SHM); vLLM must join the region, map its files and remove
+    none of them."""
     world = layout.num_workers
     names = sorted(os.listdir(region_dir))
     job = {
@@ -42,9 +45,7 @@ def exchange_with_vllm(
     tensor_page = layout.cpu_page_size // tensors
     workers: list[subprocess.Popen[str]] = []
     try:
-        workers = [
-            _worker("0.33.0", "directory", region_dir, {**job, "rank": r}) for r in range(world)
-        ]
+        workers = [_worker("0.33.0", shm, region_dir, {**job, "rank": r}) for r in range(world)]
         _wait_for_files([sync_dir / f"written.{r}" for r in range(world)], workers)
         for rank in range(layout.cells_per_row):  # replicated: rank 0's cell is every worker's
             mine = attach_as_worker(region_dir, instance_id, layout, rank)
@@ -60,7 +61,8 @@ def exchange_with_vllm(
         for worker in workers:
             out, err = worker.communicate(timeout=300)
             assert worker.returncode == 0, err[-3000:]
-            assert json.loads(out.strip().splitlines()[-1])["wrong"] == []
+            report = json.loads(out.strip().splitlines()[-1])
+            assert report == vllm_report("0.33.0", shm, layout, region_dir, instance_id)
         # vLLM attached as a joiner and removed none of kvshm's files
         assert (
             sorted(os.listdir(region_dir)) == names == [f.name for f in layout.files(instance_id)]

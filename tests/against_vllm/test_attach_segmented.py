@@ -1,7 +1,8 @@
 """vLLM 0.33's own SharedOffloadRegion (barrier, num_segments=32) attaches a segmented, padded
 region (vllm-0.33 format, >= 2 GiB, sparse: populate false) made by kvshm's multi-file region
-library; one process per rank, the region's directory as /dev/shm; patterns both ways on the
-rows at every file boundary, at TP 2 and 4 and with MLA's replicated layout."""
+library; one process per rank, the region's directory as /dev/shm or (a data-parallel engine,
+examples/serving/data-parallel) symlinks to its files in a /dev/shm of the pod's own; patterns
+both ways on the rows at every file boundary, at TP 2 and 4 and with MLA's replicated layout."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from tests.agent_region import agent_made_region
 TENSORS, TENSOR_PAGE = 3, 2500  # cell 7500 bytes: rows of 2 cells (15000) pad to 16384
 
 
-@pytest.mark.parametrize(("world", "replicated"), [(2, False), (4, False), (2, True)])
+@pytest.mark.parametrize(
+    ("world", "replicated", "shm"),
+    [(2, False, "directory"), (4, False, "directory"), (2, True, "directory"), (2, True, "links")],
+)
 def test_vllm_attaches_a_segmented_padded_kvshm_region(
-    shm_dir: Path, tmp_path: Path, world: int, replicated: bool
+    shm_dir: Path, tmp_path: Path, world: int, replicated: bool, shm: str
 ) -> None:
     cell = TENSORS * TENSOR_PAGE
     cells = 1 if replicated else world
@@ -31,6 +35,6 @@ def test_vllm_attaches_a_segmented_padded_kvshm_region(
     assert layout.row_stride == row != cell * cells and layout.file_count >= 2
     try:
         blocks = around_file_boundaries(layout, "seg")
-        exchange_with_vllm(region_dir, "seg", layout, blocks, TENSORS, tmp_path)
+        exchange_with_vllm(region_dir, "seg", layout, blocks, TENSORS, tmp_path, shm)
     finally:
         creator.cleanup()

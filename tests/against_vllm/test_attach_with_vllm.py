@@ -1,7 +1,9 @@
 """vLLM's own SharedOffloadRegion attaches a region kvshm created: one process per rank, each in
-its own mount namespace whose /dev/shm is the region's directory (as a serving pod sees it),
-called exactly as that release's CPUOffloadingSpec.create_worker calls it. Every (rank, block,
-tensor) slice vLLM writes is what kvshm reads, and the reverse; vLLM never removes the file.
+its own mount namespace whose /dev/shm shows the region as a serving pod sees it (the region's
+directory, or a tmpfs of the pod's own with symlinks to the region's files), called exactly as
+that release's CPUOffloadingSpec.create_worker calls it. Every (rank, block, tensor) slice vLLM
+writes is what kvshm reads, and the reverse; vLLM maps the agent's files (their inodes) as a
+joiner and never removes a file or a link.
 
 Single-file regions with page-aligned rows, below 2 GiB, in the format of the release attaching
 them (vllm-0.33 for vLLM 0.33.0, vllm-0.27 for 0.32.0, the last single-file release), and MLA's
@@ -19,6 +21,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvshm.region import RegionFormat, RegionLayout
 from tests.against_vllm.patterns import pattern
@@ -33,27 +36,59 @@ ENGINE_ID = "llama-kv"
 FORMATS = {"0.33.0": RegionFormat.VLLM_0_33, "0.32.0": RegionFormat.VLLM_0_27}
 
 
+# the serving pods' init container script, which links a data-parallel engine's region files
+WAIT_SCRIPT = yaml.safe_load(
+    (HERE.parents[1] / "examples/serving/wait-for-region.yaml").read_text()
+)["data"]["wait-for-region.sh"]
+
 # How the serving pod sees the region (examples/serving): its directory as /dev/shm, or (data
-# parallelism) a tmpfs /dev/shm with each region file mounted onto it.
+# parallelism) a tmpfs /dev/shm (the pod's emptyDir) with the region's directory mounted at
+# /dev/shm/kvshm/<region name> and its files linked into /dev/shm by the init container's script
 MOUNT_SHM = {
     "directory": 'mount --bind "$0" /dev/shm',
-    "files": 'stage=$(mktemp -d) && mount -t tmpfs -o size=16m tmpfs "$stage" && '
-    'for file in "$0"/*; do name=${file##*/}; : > "$stage/$name" && '
-    'mount --bind "$file" "$stage/$name"; done && mount --move "$stage" /dev/shm',
+    "links": 'stage=$(mktemp -d) && mount -t tmpfs -o size=16m tmpfs "$stage" && '
+    'mkdir -p "$stage/kvshm/${0##*/}" && mount --bind "$0" "$stage/kvshm/${0##*/}" && '
+    'mount --move "$stage" /dev/shm && KVSHM_DIR="/dev/shm/kvshm/${0##*/}" '
+    'KVSHM_LINK_DIR=/dev/shm sh -c "$KVSHM_WAIT_SCRIPT" >&2',
 }
+
+
+def vllm_report(
+    release: str, shm: str, layout: RegionLayout, region_dir: Path, instance_id: str
+) -> dict[str, object]:
+    """What each vLLM worker must print: it joined, read nothing wrong, mapped exactly the
+    agent's files, and left the links (where it attached through them) in place."""
+    files = [region_dir / file.name for file in layout.files(instance_id)]
+    return {
+        "version": release,
+        "creator": False,
+        "wrong": [],
+        "mapped": sorted(path.stat().st_ino for path in files),
+        "links": sorted(path.name for path in files) if shm == "links" else [],
+    }
 
 
 def _worker(
     release: str, shm: str, region_dir: Path, job: dict[str, object]
 ) -> subprocess.Popen[str]:
     """`unshare --mount`: a private mount namespace whose /dev/shm shows the region."""
+    region = {  # what the init container's script is told of the region
+        "KVSHM_WAIT_SCRIPT": WAIT_SCRIPT,
+        "KVSHM_INSTANCE_ID": str(job["engine_id"]),
+        "KVSHM_NUM_BLOCKS": str(job["num_chunks"]),
+        "KVSHM_ROW_STRIDE": str(job["kv_bytes_per_chunk"]),
+        "KVSHM_FORMAT": FORMATS[release].value,
+        "KVSHM_POPULATED": "false",  # sizes only: some regions here are sparse
+        "KVSHM_WAIT_SECONDS": "0",  # made before the workers start
+    }
     return subprocess.Popen(
         [
             "unshare", "--mount", "--propagation", "private", "sh", "-c",
             f'{MOUNT_SHM[shm]} && exec "$@"',
             str(region_dir), sys.executable, str(HERE / "attach_worker.py"), json.dumps(job),
         ],
-        env={**vllm_env(release), "TMPDIR": str(job["sync_dir"])},  # mktemp's stage: the test's
+        # mktemp's stage: the test's
+        env={**vllm_env(release), **region, "TMPDIR": str(job["sync_dir"])},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -136,7 +171,7 @@ def _exchange(
             out, err = worker.communicate(timeout=300)
             assert worker.returncode == 0, err[-4000:]
             reports.append(json.loads(out.strip().splitlines()[-1]))
-        assert reports == [{"version": release, "creator": False, "wrong": []}] * world
+        assert reports == [vllm_report(release, shm, layout, region_dir, engine_id)] * world
         # vLLM attached as a joiner: the file is kvshm's, still there, and the only one
         assert os.listdir(region_dir) == [region_file.name]
         assert region_file.stat().st_ino == inode
@@ -148,7 +183,7 @@ def _exchange(
         ("0.33.0", 1, "directory", ENGINE_ID),
         ("0.33.0", 2, "directory", ENGINE_ID),
         ("0.33.0", 4, "directory", ENGINE_ID),
-        ("0.33.0", 2, "files", f"{ENGINE_ID}_dp1"),  # a data-parallel engine's region
+        ("0.33.0", 2, "links", f"{ENGINE_ID}_dp1"),  # a data-parallel engine's region
         ("0.32.0", 2, "directory", ENGINE_ID),
     ],
 )

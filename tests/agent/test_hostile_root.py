@@ -14,6 +14,7 @@ from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.api import NodeRegionPhase, ReclaimOutcome
 from kvshm.region import UnsafePathError
 from tests.agent.builders import make_reconciler, reclaim, region, region_dir, settle, view
+from tests.agent.test_segmented_regions import FILE_1, segmented
 
 Snapshot = dict[str, tuple[int, int, int, int, int, bytes]]
 
@@ -163,6 +164,32 @@ def test_a_symlink_planted_over_a_ready_region_is_not_followed_on_drain(
     assert "symbolic link" in report.message
     assert path.is_symlink()  # left in place, reported
     assert snapshot(outside) == before
+
+
+@pytest.mark.parametrize("which", ["file 0", "a later file"])
+def test_a_ready_regions_file_replaced_by_a_symlink_fails_the_region_naming_it(
+    shm_dir: Path, outside: Path, which: str
+) -> None:
+    """A tenant may replace a file of its region by a symlink while the region is still wanted
+    (vLLM in its pod would open the link): the region is Failed and the inventory names the
+    link, which is left in place and never followed."""
+    root = shm_dir / "root"
+    reconciler = make_reconciler(root)
+    wanted, file_name = (
+        (region(), "vllm_offload_r1.mmap") if which == "file 0" else (segmented(), FILE_1)
+    )
+    assert settle(reconciler, view(wanted)).reports[wanted.key].phase is NodeRegionPhase.READY
+    before = snapshot(outside)
+    path = root / wanted.key / file_name
+    path.unlink()
+    path.symlink_to(outside / "secret")
+    result = settle(reconciler, view(wanted))
+    report = result.reports[wanted.key]
+    assert report.phase is NodeRegionPhase.FAILED, report
+    assert f"{path} is a symbolic link, not a region file" in report.message
+    assert result.root_scan is not None
+    assert any(f"{path} is a symbolic link" in problem for problem in result.root_scan.problems)
+    assert path.is_symlink() and snapshot(outside) == before
 
 
 def test_inventory_reports_unsafe_entries_without_opening_them(

@@ -107,30 +107,41 @@ def test_every_region_file_is_at_dev_shm_and_waited_for(example: tuple[Path, Pat
     engine_mounts = {m["mountPath"]: volumes[m["name"]] for m in engine["volumeMounts"]}
     waits = {_env(c)["KVSHM_INSTANCE_ID"]: c for c in spec["initContainers"]}
     assert set(waits) == {r["spec"]["instanceId"] for r in regions}
+    directories = []
     for region in regions:
-        directory = f"{root}/{region['metadata']['namespace']}/{region['metadata']['name']}"
+        name = region["metadata"]["name"]
+        directory = f"{root}/{region['metadata']['namespace']}/{name}"
+        directories.append(directory)
         # a whole directory mounted at /dev/shm may be made by the kubelet before the region
-        # (the init container then waits); with each file mounted, the files must be there
+        # (the init container then waits); a directory mounted below the pod's own /dev/shm
+        # must be there
         kind = "DirectoryOrCreate" if len(regions) == 1 else "Directory"
         whole_dir = {"path": directory, "type": kind}
+        wait = waits[region["spec"]["instanceId"]]
+        wait_mounts = {m["mountPath"]: volumes[m["name"]] for m in wait["volumeMounts"]}
+        layout = region["spec"]["layout"]
+        linking: dict[str, str] = {}
         if len(regions) == 1:  # the region's directory is the engine's /dev/shm
             assert engine_mounts["/dev/shm"]["hostPath"] == whole_dir
-        else:  # each file mounted into /dev/shm from its region's directory
-            for file in _layout(region).files(region["spec"]["instanceId"]):
-                name = file.name
-                mounted = engine_mounts[f"/dev/shm/{name}"]["hostPath"]
-                assert mounted == {"path": f"{directory}/{name}", "type": "File"}
-        wait = waits[region["spec"]["instanceId"]]
-        [mount] = [m for m in wait["volumeMounts"] if m["mountPath"] == "/dev/shm"]
-        assert volumes[mount["name"]]["hostPath"] == whole_dir
-        layout = region["spec"]["layout"]
+            assert wait_mounts["/dev/shm"]["hostPath"] == whole_dir
+        else:  # each region at a directory of its own, its files linked into the pod's /dev/shm
+            mounted_at = f"/dev/shm/kvshm/{name}"
+            assert engine_mounts[mounted_at]["hostPath"] == whole_dir
+            assert wait_mounts[mounted_at]["hostPath"] == whole_dir  # where the links point
+            assert engine_mounts["/dev/shm"] == wait_mounts["/dev/shm"]
+            assert engine_mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory"
+            linking = {"KVSHM_DIR": mounted_at, "KVSHM_LINK_DIR": "/dev/shm"}
         assert _env(wait) == {
             "KVSHM_INSTANCE_ID": region["spec"]["instanceId"],
             "KVSHM_NUM_BLOCKS": str(layout["numBlocks"]),
             "KVSHM_ROW_STRIDE": str(_layout(region).row_stride),
             "KVSHM_FORMAT": layout["format"],
+            **linking,
         }
         assert wait["command"] == ["sh", "/kvshm/wait-for-region.sh"]
+    # no hostPath but the regions' directories (a path inside one may be its tenant's symlink)
+    host_paths = [v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v]
+    assert sorted(host_paths) == sorted(directories)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=IDS)

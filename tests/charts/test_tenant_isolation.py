@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kvshm.api.address import is_dns_subdomain
 from tests.charts.rendering import find, render
 from tests.charts.test_kubernetes_schemas import validate_builtin
 from tests.charts.tools import CHART, run, tool
@@ -73,11 +74,91 @@ def _variable(policy: dict[str, Any], name: str) -> str:
     return str(expression)
 
 
-def test_the_only_hostpaths_are_the_namespaces_regions_under_region_root() -> None:
+def _cel_concatenation(expression: str, namespace: str) -> str:
+    """The value of a CEL expression that joins single-quoted string literals and
+    request.namespace with +, as the policy builds its region-directory pattern."""
+    token = re.compile(r"\s*(?:'((?:[^'\\]|\\.)*)'|(request\.namespace))\s*(\+|$)")
+    parts, position = [], 0
+    while position < len(expression):
+        found = token.match(expression, position)
+        assert found, f"not a concatenation at {expression[position:]!r}"
+        literal, is_namespace, _ = found.groups()
+        parts.append(namespace if is_namespace else re.sub(r"\\(.)", r"\1", literal))
+        position = found.end()
+    return "".join(parts)
+
+
+def _admits_host_path(root: str, path: str, namespace: str = "serving") -> bool:
+    """Whether the policy rendered with this regionRoot admits a hostPath of `path` in the
+    namespace: its pattern, matched as CEL's matches() does (RE2, unanchored; RE2's $ is
+    Python's \\Z: no match before a trailing newline)."""
     policy = find(
-        tuple(_policy_objects(V1, sets=("regionRoot=/mnt/kv",))), "ValidatingAdmissionPolicy"
+        tuple(_policy_objects(V1, sets=(f"regionRoot={root}",))), "ValidatingAdmissionPolicy"
     )
-    assert _variable(policy, "regionDirectories") == "'/mnt/kv/' + request.namespace + '/'"
+    pattern = _cel_concatenation(_variable(policy, "regionDirectory"), namespace)
+    assert pattern.endswith("$"), pattern
+    return re.search(pattern.removesuffix("$") + r"\Z", path) is not None
+
+
+# a root with a regex metacharacter: quoted, '.' matches only '.'
+ROOT = "/mnt/kv.d"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [f"{ROOT}/serving/llama-70b-kv", f"{ROOT}/serving/llama-70b-kv/", f"{ROOT}/serving/a.b-c.d"],
+)
+def test_a_hostpath_of_a_region_directory_of_the_namespace_is_admitted(path: str) -> None:
+    assert _admits_host_path(ROOT, path)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"{ROOT}/serving/llama-70b-kv/vllm_offload_llama-70b-kv.mmap",  # a region file
+        f"{ROOT}/serving/llama-70b-kv/escape",  # what a tenant may make a symlink
+        f"{ROOT}/serving/llama-70b-kv/sub/dir",
+        f"{ROOT}/serving/llama-70b-kv//",
+        f"{ROOT}/serving",  # the namespace's directory
+        f"{ROOT}/serving/",
+        f"{ROOT}",
+        f"{ROOT}/serving/../../etc",
+        f"{ROOT}/serving/..",
+        f"{ROOT}/serving/.",
+        f"{ROOT}/serving/./llama-70b-kv",
+        f"{ROOT}//serving/llama-70b-kv",
+        f"{ROOT}/serving//llama-70b-kv",
+        f"{ROOT}/serving-b/llama-70b-kv",  # a namespace whose name starts with the tenant's
+        f"{ROOT}/other/llama-70b-kv",
+        "/mnt/kvXd/serving/llama-70b-kv",  # the root's '.' is quoted
+        f"/host{ROOT}/serving/llama-70b-kv",  # anchored at the start
+        "serving/llama-70b-kv",
+        f"{ROOT}/serving/llama-70b-kv\n",  # anchored at the end
+    ],
+)
+def test_any_other_hostpath_is_refused(path: str) -> None:
+    assert not _admits_host_path(ROOT, path)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["a", "0", "a.b", "a-b", "a--b.c9", "-a", "a-", "a..b", ".a", "a.", "A", "a_b", "a b", "a.-b"],
+)
+def test_the_region_name_in_a_hostpath_follows_the_offloadregion_name_rule(name: str) -> None:
+    """An OffloadRegion's name is a DNS subdomain (kvshm.api.address): a region directory has
+    no other name, and none of these is '.' or '..'."""
+    assert _admits_host_path(ROOT, f"{ROOT}/serving/{name}") == is_dns_subdomain(name)
+
+
+def test_a_root_with_quotes_and_backslashes_is_written_into_cel_as_written() -> None:
+    root = "/mnt/it's\\kv"
+    assert _admits_host_path(root, f"{root}/serving/r1")
+    assert not _admits_host_path(root, "/mnt/its/serving/r1")
+    policy = find(
+        tuple(_policy_objects(V1, sets=(f"regionRoot={root}",))), "ValidatingAdmissionPolicy"
+    )
+    # what the refusal names
+    assert _cel_concatenation(_variable(policy, "namespaceDirectory"), "t") == f"{root}/t/"
 
 
 def test_the_apparmor_fields_are_checked_where_pods_have_them() -> None:
@@ -93,7 +174,13 @@ def test_the_apparmor_fields_are_checked_where_pods_have_them() -> None:
 
 def test_every_variable_is_checked_by_a_validation() -> None:
     policy = find(tuple(_policy_objects(V1)), "ValidatingAdmissionPolicy")
-    helpers = {"containers", "regionDirectories", "podRunsAsNonRoot", "podSeccomp"}
+    helpers = {
+        "containers",
+        "namespaceDirectory",
+        "regionDirectory",
+        "podRunsAsNonRoot",
+        "podSeccomp",
+    }
     rules = {v["name"] for v in policy["spec"]["variables"]} - helpers
     checked = {
         match

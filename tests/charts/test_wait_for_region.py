@@ -81,3 +81,32 @@ def test_every_segment_of_a_vllm_033_region_is_waited_for(shm_dir: Path) -> None
     assert code == 1 and f"{files[1][0]} is missing" in out, out
     code, out = _wait(shm_dir, rows, stride, "vllm-0.27")  # one file expected: wrong size
     assert code == 1 and f"has {files[0][1]} bytes, not {rows * stride}" in out, out
+
+
+def test_a_data_parallel_engines_region_is_linked_into_its_dev_shm_once_ready(
+    shm_dir: Path,
+) -> None:
+    """KVSHM_LINK_DIR (the pod's own /dev/shm) gets a symlink to each region file, only once
+    the region is ready, and again over the links a restarted pod's emptyDir kept."""
+    rows, stride = 1000, 800 * 4096  # 3 files
+    region_dir, dev_shm = shm_dir / "region", shm_dir / "dev-shm"
+    region_dir.mkdir()
+    dev_shm.mkdir()
+    layout = RegionLayout(rows, stride, 1, RegionFormat.VLLM_0_33)
+    links = {dev_shm / file.name: region_dir / file.name for file in layout.files("engine_dp1")}
+    code, out = _wait(region_dir, rows, stride, "vllm-0.33", KVSHM_LINK_DIR=str(dev_shm))
+    assert code == 1 and list(dev_shm.iterdir()) == [], out  # nothing linked before it is there
+    region = agent_made_region(region_dir, "engine_dp1", layout, populate=False)
+    try:
+        for _ in range(2):  # the second time over the links the first one made
+            code, out = _wait(
+                region_dir, rows, stride, "vllm-0.33",
+                KVSHM_LINK_DIR=str(dev_shm), KVSHM_POPULATED="false",
+            )  # fmt: skip
+            assert code == 0 and f"linked 3 file(s) into {dev_shm}" in out, out
+            assert {link: Path(os.readlink(link)) for link in dev_shm.iterdir()} == links
+            assert all(link.stat().st_ino == target.stat().st_ino for link, target in links.items())
+    finally:
+        region.cleanup()
+    code, out = _wait(region_dir, rows, stride, "vllm-0.33")
+    assert "linked" not in out  # without KVSHM_LINK_DIR: waits only

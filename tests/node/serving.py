@@ -1,5 +1,6 @@
 """examples/serving on the node, with its vLLM container replaced by tests/node/serving_worker.py
-(vLLM 0.33's own region code, or kvshm's plugin attach, in the serving image).
+(vLLM 0.33's own region code, or kvshm's plugin attach, in the serving image): the one-region
+example (deployment.yaml) and the data-parallel one (one stand-in per engine, in one container).
 
 What is kept from the example: the namespace, the init container and its script, the volumes
 and mounts of the region, the securityContexts and uid, the anti-affinity, the rollout
@@ -8,8 +9,9 @@ strategy, the node selector and tolerations, the labels. What changes, and why:
 - its resources: no nvidia.com/gpu on this node, and a 2-core node cannot grant 8 CPUs;
 - the models PVC becomes an emptyDir: this node has no storage provisioner, the stand-in loads
   no model;
-- the region's numBlocks: the example's 64 GiB does not fit this node; 512 rows of the same
-  5 MiB stride (2.5 GiB) keep it split over two files, as vLLM 0.33 splits it;
+- the one-region example's numBlocks: its 64 GiB does not fit this node; 512 rows of the same
+  5 MiB stride (2.5 GiB) keep it split over two files, as vLLM 0.33 splits it (the
+  data-parallel example's two 4 GiB regions are kept as shipped);
 - two volumes for the stand-in: its script (a ConfigMap) and /sync (its ranks' barrier).
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +27,28 @@ import yaml
 
 from kvshm.region import RegionLayout
 from tests.envtest.server import REPO
+from tests.node.chart import wait
+from tests.node.node import Node
+from tests.node.regions import apply_manifest
 
 EXAMPLE = REPO / "examples" / "serving"
 WORKER = Path(__file__).parent / "serving_worker.py"
 NUM_BLOCKS = 512
 WORKER_CONFIGMAP = "kvshm-node-serving-worker"
+
+
+def apply_namespace(node: Node) -> None:
+    """examples/serving/namespace.yaml, once a namespace of that name an earlier test deleted
+    is gone: one being deleted takes no new objects, and applying it again changes nothing."""
+    [namespace] = load("namespace.yaml")
+    name = namespace["metadata"]["name"]
+    wait(
+        lambda: node.kubectl(
+            "get", "namespace", name, "--ignore-not-found", "-o", "jsonpath={.status.phase}"
+        ) != "Terminating",
+        180, f"namespace {name} of an earlier test gone", node,
+    )  # fmt: skip
+    apply_manifest(node, yaml.safe_dump(namespace))
 
 
 def load(name: str) -> list[dict[str, Any]]:
@@ -44,7 +64,10 @@ def region_manifest() -> dict[str, Any]:
 
 def region_layout(region: dict[str, Any]) -> RegionLayout:
     layout = region["spec"]["layout"]
-    return RegionLayout(layout["numBlocks"], layout["cpuPageSize"], layout["numWorkers"])
+    return RegionLayout(
+        layout["numBlocks"], layout["cpuPageSize"], layout["numWorkers"],
+        layout.get("format", "vllm-0.33"), replicated=layout.get("replicated", False),
+    )  # fmt: skip
 
 
 def worker_configmap(namespace: str) -> dict[str, Any]:
@@ -56,28 +79,42 @@ def worker_configmap(namespace: str) -> dict[str, Any]:
     }
 
 
-def deployment(mode: str, image: str, region: dict[str, Any]) -> dict[str, Any]:
-    """The example Deployment with its vLLM container replaced by the stand-in in `mode`."""
-    [example] = load("deployment.yaml")
-    manifest = copy.deepcopy(example)
+def deployment(
+    mode: str, image: str, regions: list[dict[str, Any]], example: str = "deployment.yaml"
+) -> dict[str, Any]:
+    """The example Deployment with its vLLM container replaced by the stand-in in `mode`, one
+    per region (each engine of a data-parallel example), its health on the next port each."""
+    [example_deployment] = load(example)
+    manifest = copy.deepcopy(example_deployment)
     spec = manifest["spec"]["template"]["spec"]
-    layout = region["spec"]["layout"]
-    [init] = spec["initContainers"]
-    init["image"] = image
-    for variable in init["env"]:
-        if variable["name"] == "KVSHM_NUM_BLOCKS":
-            variable["value"] = str(layout["numBlocks"])
+    blocks = {r["spec"]["instanceId"]: r["spec"]["layout"]["numBlocks"] for r in regions}
+    for init in spec["initContainers"]:
+        init["image"] = image
+        env = {variable["name"]: variable for variable in init["env"]}
+        env["KVSHM_NUM_BLOCKS"]["value"] = str(blocks[env["KVSHM_INSTANCE_ID"]["value"]])
     [vllm] = spec["containers"]
-    job = {
-        "instance_id": region["spec"]["instanceId"],
-        "num_blocks": layout["numBlocks"],
-        "row_stride": region_layout(region).row_stride,
-        "cpu_page_size": layout["cpuPageSize"],
-        "world": layout["numWorkers"],
-        "port": next(p["containerPort"] for p in vllm["ports"] if p["name"] == "http"),
-    }
+    port = next(p["containerPort"] for p in vllm["ports"] if p["name"] == "http")
+    commands = []
+    for engine, region in enumerate(regions):
+        layout = region_layout(region)
+        job = {
+            "instance_id": region["spec"]["instanceId"],
+            "num_blocks": layout.num_blocks,
+            "row_stride": layout.row_stride,
+            "cpu_page_size": layout.cpu_page_size,
+            "world": layout.num_workers,
+            "replicated": layout.replicated,
+            "port": port + engine,
+        }
+        commands.append(["python", "/node-test/worker.py", mode, json.dumps(job)])
     vllm["image"] = image
-    vllm["command"] = ["python", "/node-test/worker.py", mode, json.dumps(job)]
+    if len(commands) == 1:
+        vllm["command"] = commands[0]
+    else:  # one stand-in per engine, each with its ranks' barrier directory
+        vllm["command"] = ["sh", "-c", " & ".join(
+            f"KVSHM_SYNC_DIR=/sync/{engine} {shlex.join(command)}"
+            for engine, command in enumerate(commands)
+        ) + " & wait"]  # fmt: skip
     vllm.pop("args", None)
     vllm["resources"] = {
         "requests": {"cpu": "100m", "memory": "256Mi"},
@@ -99,7 +136,8 @@ def deployment(mode: str, image: str, region: dict[str, Any]) -> dict[str, Any]:
 
 
 def pattern(rank: int, block: int) -> bytes:
-    """What serving_worker.py's rank writes at the start of its cell of a block."""
+    """What serving_worker.py writes at the start of rank `rank`'s cell of a block (with the
+    replicated layout every rank writes cell 0's)."""
     return bytes((rank * 7 + block * 13 + i) % 256 for i in range(64))
 
 

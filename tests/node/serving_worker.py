@@ -43,6 +43,11 @@ def barrier(rank: int, world: int, generation: list[int]) -> None:
         time.sleep(0.01)
 
 
+def cell(job: dict[str, int], rank: int) -> int:
+    """The cell of a row this rank uses: with the replicated layout (MLA) every rank's is 0."""
+    return 0 if job.get("replicated") else rank
+
+
 def attach_with_vllm(job: dict[str, int], rank: int) -> tuple[object, object]:
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
@@ -50,11 +55,13 @@ def attach_with_vllm(job: dict[str, int], rank: int) -> tuple[object, object]:
     region = SharedOffloadRegion(
         engine_id=job["instance_id"],
         num_chunks=job["num_blocks"],
-        rank=rank,
+        rank=cell(job, rank),
         kv_bytes_per_chunk=job["row_stride"],
         cpu_page_size=job["cpu_page_size"],
         barrier=lambda: barrier(rank, job["world"], generation),
         num_segments=32,
+        # as CPUOffloadingSpec.create_worker: each rank pre-faults its share of a replicated one
+        populate_shard=(rank, job["world"]) if job.get("replicated") else None,
     )
     return region, region.create_next_worker_view(job["cpu_page_size"])
 
@@ -64,8 +71,9 @@ def attach_with_plugin(job: dict[str, int], rank: int) -> tuple[object, object]:
     from kvshm.vllm.geometry import RegionGeometry
 
     geometry = RegionGeometry(
-        job["num_blocks"], job["row_stride"], job["cpu_page_size"], job["world"], False
-    )
+        job["num_blocks"], job["row_stride"], job["cpu_page_size"], job["world"],
+        bool(job.get("replicated")),
+    )  # fmt: skip
     region = attach_region(SHM, job["instance_id"], geometry, rank, attach_timeout_s=60)
     return region, region.create_next_view(job["cpu_page_size"])
 
@@ -75,15 +83,19 @@ def rank_main(mode: str, job: dict[str, int], rank: int) -> None:
 
     attach = attach_with_vllm if mode == "vllm" else attach_with_plugin
     region, view = attach(job, rank)
+    slot = cell(job, rank)
     for block in range(job["num_blocks"]):
-        cell = torch.frombuffer(bytearray(pattern(rank, block)), dtype=torch.int8)
-        view[block][:PATTERN_BYTES].copy_(cell)  # type: ignore[index]
+        written = torch.frombuffer(bytearray(pattern(slot, block)), dtype=torch.int8)
+        view[block][:PATTERN_BYTES].copy_(written)  # type: ignore[index]
     wrong = [
         block
         for block in range(job["num_blocks"])
-        if bytes(view[block][:PATTERN_BYTES].numpy().tobytes()) != pattern(rank, block)  # type: ignore[index]
+        if bytes(view[block][:PATTERN_BYTES].numpy().tobytes()) != pattern(slot, block)  # type: ignore[index]
     ]
-    say(event="verified", mode=mode, rank=rank, blocks=job["num_blocks"], wrong=wrong)
+    say(
+        event="verified", mode=mode, instance=job["instance_id"], rank=rank,
+        blocks=job["num_blocks"], wrong=wrong,
+    )  # fmt: skip
     (SYNC / f"verified.{rank}").touch()
     if mode == "vllm":
         while True:  # vLLM holds its mapping until the engine exits

@@ -17,6 +17,7 @@ from tests.envtest.server import REPO
 from tests.node.chart import Release, wait
 from tests.node.node import NODE_NAME, Node
 from tests.node.regions import apply_manifest, region, region_phase, remove_regions
+from tests.node.serving import apply_namespace
 
 EXAMPLES = REPO / "examples"
 FITTING = [
@@ -51,7 +52,7 @@ def test_the_examples_regions_go_ready_as_their_specs_say(
     release.install()
     release.wait_ready()
     try:
-        apply_manifest(node, (EXAMPLES / "serving" / "namespace.yaml").read_text())
+        apply_namespace(node)
         manifests = [m for path in FITTING for m in _regions(path)]
         for path in [*FITTING, TOO_LARGE]:
             apply_manifest(node, path.read_text())

@@ -3,12 +3,16 @@ is kept and what is replaced), attaching the agent's region as vLLM 0.33's own c
 as kvshm's plugin does. The pod starts only once its init container has seen the region; its
 ranks write and read the region, which the host sees in the region's files; it is counted as
 a holder; the second replica is kept off the node by the anti-affinity; and when its region is
-deleted, the plugin's ranks get the drain event and let go before the grace period ends."""
+deleted, the plugin's ranks get the drain event and let go before the grace period ends. The
+data-parallel example's pod attaches both engines' regions through the links its init
+containers make in its own /dev/shm, each region's directory its only hostPath there."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +25,9 @@ from tests.node.node import NODE_NAME, Node, NodeError
 from tests.node.regions import apply_manifest, node_report, region, region_phase, remove_regions
 from tests.node.serving import (
     EXAMPLE,
+    apply_namespace,
     deployment,
+    load,
     pattern,
     read_cell,
     region_layout,
@@ -43,7 +49,7 @@ def production(
     node.kubectl("label", "node", NODE_NAME, f"{GPU_LABEL}=true", "--overwrite")
     release.install("-f", str(CHART / "values-production.yaml"))
     release.wait_ready()
-    apply_manifest(node, (EXAMPLE / "namespace.yaml").read_text())
+    apply_namespace(node)
     apply_manifest(node, (EXAMPLE / "wait-for-region.yaml").read_text())
     yield release
     remove_regions(node)
@@ -52,9 +58,9 @@ def production(
     node.kubectl("label", "node", NODE_NAME, f"{GPU_LABEL}-")
 
 
-def _pods(node: Node) -> list[dict]:
+def _pods(node: Node, app: str = "llama-70b") -> list[dict]:
     listed = json.loads(
-        node.kubectl("get", "pods", "-n", NAMESPACE, "-l", "app=llama-70b", "-o", "json")
+        node.kubectl("get", "pods", "-n", NAMESPACE, "-l", f"app={app}", "-o", "json")
     )
     return listed["items"]
 
@@ -70,8 +76,22 @@ def _logs(node: Node, pod: str, container: str) -> list[dict]:
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
-def _running_pod(node: Node) -> dict | None:
-    for pod in _pods(node):
+@contextlib.contextmanager
+def _deployed(node: Node, app: str, regions_timeout: float = 120) -> Iterator[None]:
+    """Say what the cluster shows when an assertion fails; delete the Deployment and every
+    region after."""
+    try:
+        yield
+    except AssertionError:
+        print(describe_cluster(node))
+        raise
+    finally:
+        node.kubectl("delete", "deployment", app, "-n", NAMESPACE, "--wait=true", timeout=180)
+        remove_regions(node, timeout=regions_timeout)
+
+
+def _running_pod(node: Node, app: str = "llama-70b") -> dict | None:
+    for pod in _pods(node, app):
         if pod["status"].get("phase") == "Running" and pod["spec"].get("nodeName") == NODE_NAME:
             return pod
     return None
@@ -86,8 +106,8 @@ def test_a_serving_pod_attaches_writes_holds_and_lets_go(
     name, instance_id = manifest["metadata"]["name"], manifest["spec"]["instanceId"]
     layout = region_layout(manifest)
     directory = Path("/dev/shm/kvshm") / NAMESPACE / name
-    app = deployment(mode, serving_image, manifest)
-    try:
+    app = deployment(mode, serving_image, [manifest])
+    with _deployed(node, "llama-70b"):
         # the pod before its region: it waits in its init container, vLLM's does not start
         apply_manifest(node, yaml.safe_dump(app))
         waiting = wait(
@@ -179,11 +199,60 @@ def test_a_serving_pod_attaches_writes_holds_and_lets_go(
             assert node_report(node, NAMESPACE, name)["phase"] == "Draining"
             assert (directory / f"vllm_offload_{instance_id}.mmap").exists()
         assert not any(directory.glob("vllm_offload_*")) or mode == "vllm"
-    except AssertionError:
-        print(describe_cluster(node))
-        raise
-    finally:
-        node.kubectl(
-            "delete", "deployment", "llama-70b", "-n", NAMESPACE, "--wait=true", timeout=180
+
+
+def test_the_data_parallel_example_attaches_each_engine_through_links(
+    node: Node, production: Release, serving_image: str, figures: dict[str, str]
+) -> None:
+    """examples/serving/data-parallel as shipped (two 4 GiB regions of three files each, MLA's
+    replicated layout at TP 2): each init container waits for its region and links its files
+    into the pod's /dev/shm (an emptyDir, the region's directory mounted below it), and vLLM
+    0.33's own code in every rank of both engines opens them through the links as a joiner."""
+    node.kubectl("apply", "-f", "-", input=yaml.safe_dump(worker_configmap(NAMESPACE)))
+    regions = load("data-parallel/offloadregions.yaml")
+    app = deployment("vllm", serving_image, regions, "data-parallel/deployment.yaml")
+    engines = {r["spec"]["instanceId"]: region_layout(r) for r in regions}
+    directories = {
+        r["spec"]["instanceId"]: Path("/dev/shm/kvshm") / NAMESPACE / r["metadata"]["name"]
+        for r in regions
+    }
+    with _deployed(node, "dsv2-lite", regions_timeout=300):
+        for manifest in regions:
+            apply_manifest(node, yaml.safe_dump(manifest))
+        for manifest in regions:
+            name = manifest["metadata"]["name"]
+            wait(lambda n=name: region_phase(node, NAMESPACE, n) == "Ready", 300, name, node)
+        # the regions first: the kubelet starts no pod while a Directory hostPath is missing
+        started = time.monotonic()
+        apply_manifest(node, yaml.safe_dump(app))
+        running = wait(lambda: _running_pod(node, "dsv2-lite"), 300, "the pod Running", node)
+        pod_name = running["metadata"]["name"]
+        expected = {
+            (e, rank) for e, layout in engines.items() for rank in range(layout.num_workers)
+        }
+        wait(
+            lambda: {(e["instance"], e["rank"]) for e in _logs(node, pod_name, "vllm")
+                     if e["event"] == "verified"} == expected,
+            300, "every rank of both engines verified", node,
+        )  # fmt: skip
+        figures["data-parallel example: pod applied to both engines attached (2 x 4 GiB)"] = (
+            f"{time.monotonic() - started:.1f} s"
         )
-        remove_regions(node)
+        verified = [e for e in _logs(node, pod_name, "vllm") if e["event"] == "verified"]
+        assert all(e["wrong"] == [] for e in verified), verified
+        for index, (engine, layout) in enumerate(engines.items()):
+            init = node.kubectl(
+                "logs", "-n", NAMESPACE, pod_name, "-c", f"wait-for-region-dp{index}"
+            )
+            assert f"region {engine} ready: 3 file(s)" in init, init
+            assert "linked 3 file(s) into /dev/shm" in init, init
+            # what the ranks wrote (cell 0: replicated) is in the agent's files on the host,
+            # which are still regular files, and no link or other vLLM file is beside them
+            for block in (0, layout.num_blocks // 2, layout.num_blocks - 1):
+                assert read_cell(directories[engine], engine, layout, block, 0) == pattern(0, block)
+            names = sorted(os.listdir(directories[engine]))
+            assert [f.name for f in layout.files(engine)] == [
+                n for n in names if n.startswith("vllm")
+            ]
+            for name in names:
+                assert stat.S_ISREG(os.lstat(directories[engine] / name).st_mode), name

@@ -3,8 +3,9 @@
 and the default values, in examples/serving's namespace as shipped (Pod Security `privileged`,
 labelled as a tenant's).
 
-A tenant's pod there may mount a hostPath, and the kubelet follows a symlink the tenant plants
-in its own region directory: whatever else the pod may do as root, or with privileges, is root
+A tenant's pod there may mount a hostPath: exactly one of its namespace's region directories,
+since the tenant owns that directory and the kubelet follows a symlink the tenant plants in it
+(shown here on the node), and whatever else the pod may do as root, or with privileges, is root
 on the node. So every example serving pod is admitted, and each way out of Pod Security's
 restricted profile is refused by the rule that names it, in containers, init containers and
 ephemeral containers (kubectl debug, and the subresource patched through the API). The same pods
@@ -19,20 +20,24 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import kubernetes
 import pytest
 
 from tests.node.chart import NAMESPACE, Release, wait
-from tests.node.node import Node, NodeError
+from tests.node.node import PAUSE_IMAGE, Node, NodeError
 from tests.node.regions import apply_manifest
-from tests.node.serving import EXAMPLE, load
+from tests.node.serving import apply_namespace, load
 
 TENANT = "serving"  # examples/serving/namespace.yaml
 OTHER = "not-a-tenant"
 TENANT_LABEL = "kvshm.dev/tenant"
 POLICY = "kvshm-tenants"
+# the example's region directory (examples/serving/offloadregion.yaml) on the chart's default root
+REGION_DIRECTORY = f"/dev/shm/kvshm/{TENANT}/llama-70b-kv"
+ONLY_REGION_DIRECTORIES = "hostPath volumes must be exactly a region directory of this namespace"
 
 Pod = dict[str, Any]
 
@@ -155,14 +160,27 @@ ESCAPES: dict[str, tuple[Callable[[Pod], None], str]] = {
     "hostNetwork": (_spec(hostNetwork=True), "host namespaces are not allowed: hostNetwork"),
     "Windows host process": (_all_host_process, "Windows host processes are not allowed: pod"),
     "hostPort": (_host_port, "hostPort is not allowed: vllm"),
-    "hostPath of the node's root": (_region_path("/"), "hostPath volumes must lie under"),
+    "hostPath of the node's root": (_region_path("/"), ONLY_REGION_DIRECTORIES),
     "hostPath of the whole region root": (
-        _region_path("/dev/shm/kvshm"), "hostPath volumes must lie under"),
+        _region_path("/dev/shm/kvshm"), ONLY_REGION_DIRECTORIES),
     "hostPath of another tenant's region": (
-        _region_path("/dev/shm/kvshm/other/llama-70b-kv"), "hostPath volumes must lie under"),
+        _region_path("/dev/shm/kvshm/other/llama-70b-kv"), ONLY_REGION_DIRECTORIES),
     "hostPath of a namespace whose name starts with the tenant's": (
         _region_path(f"/dev/shm/kvshm/{TENANT}-b/llama-70b-kv"),
-        f"hostPath volumes must lie under /dev/shm/kvshm/{TENANT}/"),
+        f"{ONLY_REGION_DIRECTORIES}, /dev/shm/kvshm/{TENANT}/<region name>, and nothing inside"),
+    "hostPath of the namespace's own directory": (
+        _region_path(f"/dev/shm/kvshm/{TENANT}"), ONLY_REGION_DIRECTORIES),
+    "hostPath of the namespace's own directory, with a slash": (
+        _region_path(f"/dev/shm/kvshm/{TENANT}/"), ONLY_REGION_DIRECTORIES),
+    "hostPath of a region file": (
+        _region_path(f"{REGION_DIRECTORY}/vllm_offload_llama-70b-kv.mmap"),
+        f"{ONLY_REGION_DIRECTORIES}, /dev/shm/kvshm/{TENANT}/<region name>, and nothing inside"
+        " one (its tenant can make any entry there a symlink, which the kubelet would follow"
+        " on the host): kv-region"),
+    "hostPath of a symlink the tenant planted in its region directory": (
+        _region_path(f"{REGION_DIRECTORY}/escape"), ONLY_REGION_DIRECTORIES),
+    "hostPath of a directory below a region directory": (
+        _region_path(f"{REGION_DIRECTORY}/sub/dir"), ONLY_REGION_DIRECTORIES),
     "an NFS volume": (_nfs, "volumes of these types only"),
     "seccomp Unconfined": (
         _set("seccompProfile", {"type": "Unconfined"}), "seccomp profile must be"),
@@ -205,7 +223,7 @@ def tenants(
     release = Release(node, tmp_path_factory.mktemp("helm"))
     started = time.monotonic()
     release.install()
-    apply_manifest(node, (EXAMPLE / "namespace.yaml").read_text())
+    apply_namespace(node)
     node.kubectl("create", "namespace", OTHER)
     node.kubectl("label", "namespace", OTHER, "pod-security.kubernetes.io/enforce=privileged")
     wait(
@@ -293,6 +311,86 @@ def test_each_escape_is_refused_by_the_rule_that_names_it(
     assert f"ValidatingAdmissionPolicy '{POLICY}'" in refusal and says in refusal, refusal
 
 
+@pytest.mark.parametrize("path", [f"{REGION_DIRECTORY}/", f"/dev/shm/kvshm/{TENANT}/llama.70b-kv"])
+def test_a_region_directory_in_every_form_its_name_takes_is_admitted(
+    node: Node, tenants: Release, path: str
+) -> None:
+    pod = serving_pod()
+    _region_path(path)(pod)
+    assert admit(node, pod) is None
+
+
+def _cat_pod(namespace: str, host_path: str) -> Pod:
+    """A pod keeping the restricted profile that prints the file `secret` of the directory a
+    hostPath gives it: its only volume."""
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "symlink-probe", "namespace": namespace},
+        "spec": {
+            "restartPolicy": "Never",
+            "securityContext": {
+                "runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [{
+                "name": "cat", "image": PAUSE_IMAGE, "imagePullPolicy": "Never",
+                "command": ["/bin/busybox", "cat", "/mounted/secret"],
+                "securityContext": {
+                    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                },
+                "volumeMounts": [{"name": "planted", "mountPath": "/mounted"}],
+            }],
+            "volumes": [{"name": "planted", "hostPath": {"path": host_path, "type": "Directory"}}],
+        },
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("namespace", [TENANT, OTHER])
+@pytest.mark.parametrize("path", [f"/dev/shm/kvshm/{TENANT}/../../etc", f"{REGION_DIRECTORY}/.."])
+def test_the_api_server_refuses_a_dot_dot_hostpath_before_any_policy(
+    node: Node, tenants: Release, namespace: str, path: str
+) -> None:
+    """Kubernetes 1.28 validates a hostPath itself: no '..' component, in any namespace (the
+    policy's pattern has no room for one either: tests/charts/test_tenant_isolation.py)."""
+    refusal = admit(node, _cat_pod(namespace, path)) or ""
+    assert (
+        f"spec.volumes[0].hostPath.path: Invalid value: \"{path}\": must not contain '..'"
+        in refusal
+    ), refusal
+    assert "ValidatingAdmissionPolicy" not in refusal, refusal
+
+
+def test_the_kubelet_follows_a_symlink_inside_a_hostpath(
+    node: Node, tenants: Release, tmp_path: Path
+) -> None:
+    """Why a hostPath may be a region directory and nothing inside it: where no policy holds
+    the pod, a hostPath through a symlink someone planted in a directory they own gives the
+    pod the symlink's target, which the kubelet resolved as root on the host."""
+    target = tmp_path / "host-only"
+    target.mkdir()
+    (target / "secret").write_text("read through the symlink\n")
+    owned = tmp_path / "tenant-owned"
+    owned.mkdir()
+    (owned / "escape").symlink_to(target)
+    probe = _cat_pod(OTHER, str(owned / "escape"))
+    with node.api_client() as client:
+        kubernetes.client.CoreV1Api(client).create_namespaced_pod(OTHER, probe)
+    try:
+        wait(
+            lambda: json.loads(
+                node.kubectl("get", "pod", "-n", OTHER, "symlink-probe", "-o", "json")
+            )["status"].get("phase") == "Succeeded",
+            120, "the probe pod done", node,
+        )  # fmt: skip
+        assert node.kubectl("logs", "-n", OTHER, "symlink-probe") == "read through the symlink\n"
+    finally:
+        node.kubectl("delete", "pod", "-n", OTHER, "symlink-probe", "--grace-period=0")
+    # the same planted symlink in a tenant's region directory
+    refusal = admit(node, _cat_pod(TENANT, f"{REGION_DIRECTORY}/escape")) or ""
+    assert f"ValidatingAdmissionPolicy '{POLICY}'" in refusal, refusal
+    assert f"{ONLY_REGION_DIRECTORIES}, /dev/shm/kvshm/{TENANT}/<region name>" in refusal
+
+
 def test_outside_the_tenants_namespaces_the_same_pods_are_admitted(
     node: Node, tenants: Release
 ) -> None:
@@ -316,7 +414,7 @@ def test_the_charts_namespace_is_never_bound(node: Node, tenants: Release) -> No
     node.kubectl("label", "namespace", NAMESPACE, f"{TENANT_LABEL}=true")
     try:
         pod["metadata"]["namespace"] = TENANT
-        assert "hostPath volumes must lie under" in (admit(node, pod) or "")
+        assert ONLY_REGION_DIRECTORIES in (admit(node, pod) or "")
         pod["metadata"]["namespace"] = NAMESPACE
         assert admit(node, pod) is None
     finally:
