@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from collections.abc import Mapping
 from typing import Any
 
+from kvshm.api.address import is_dns_subdomain
 from kvshm.api.offload_region import SpecError, parse_offload_region
 from kvshm.region.naming import validate_instance_id
 from kvshm.sizing.errors import SizingError
 from kvshm.sizing.plan import OffloadPlan
 
 API_VERSION = "kvshm.dev/v1alpha1"
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 
 
 def kv_transfer_config(plan: OffloadPlan) -> dict[str, Any]:
@@ -49,7 +48,7 @@ def vllm_flags(plan: OffloadPlan) -> list[str]:
 
 def region_name(name: str, rank: int | None) -> str:
     full = name if rank is None else f"{name}-dp{rank}"
-    if len(full) > 253 or not _DNS_SUBDOMAIN.fullmatch(full):
+    if not is_dns_subdomain(full):
         raise SizingError(
             f"region name {full!r} is not a Kubernetes object name: use lower-case letters, "
             f"digits, '-' and '.', starting and ending with a letter or digit"
