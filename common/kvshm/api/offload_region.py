@@ -17,8 +17,8 @@ from kvshm.api.address import (
 )
 from kvshm.api.messages import bounded
 from kvshm.region import InvalidInstanceIdError, InvalidLayoutError, RegionFormat, RegionLayout
+from kvshm.region.files import DEFAULT_FILE_MODE, check_file_mode
 from kvshm.region.naming import validate_instance_id
-from kvshm.region.shared_region import DEFAULT_FILE_MODE, check_file_mode
 
 GROUP = "kvshm.dev"
 VERSION = "v1alpha1"

@@ -35,6 +35,9 @@ class OpenMode(StrEnum):
     """Always create; an existing file is an error."""
 
 
+DEFAULT_FILE_MODE = 0o600  # the owner alone: a region is never world-readable
+
+
 def check_file_mode(file_mode: int) -> int:
     if not 0 <= file_mode <= 0o777:
         raise InvalidLayoutError(f"file mode {file_mode:#o} is not a permission mode (0-0777)")

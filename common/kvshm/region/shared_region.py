@@ -20,7 +20,7 @@ from kvshm.region.errors import (
     RegionResizedError,
     RegionSpaceError,
 )
-from kvshm.region.files import OpenMode, RegionFiles, check_file_mode
+from kvshm.region.files import DEFAULT_FILE_MODE, OpenMode, RegionFiles, check_file_mode
 from kvshm.region.layout import RegionLayout
 from kvshm.region.numa import NumaPlacement, set_policy
 from kvshm.region.pinning import MAX_REGISTRATION_BYTES, CudaRegistration, cuda_runtime
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_DIRECTORY = "/dev/shm"
-DEFAULT_FILE_MODE = 0o600
 DEFAULT_ATTACH_TIMEOUT_SECONDS = 30.0
 DEFAULT_POLL_SECONDS = 0.005
 
