@@ -264,9 +264,10 @@ class Driver:
                 key = str(out.request_id)
                 if key not in active:
                     key = key.rsplit("-", 1)[0]  # vLLM's internal id: ours and a suffix
-                record = active.get(key)
-                if record is None:
+                found = active.get(key)
+                if found is None:
                     continue
+                record = found
                 tokens = list(out.outputs[0].token_ids)
                 new = len(tokens) - record.tokens
                 if new > 0:
@@ -404,8 +405,7 @@ def hit_probe(
             h["output"] for h in row["tier_hits"] + row["gpu_hits"]
         ]
         row["outputs_equal"] = all(o == outputs[0] for o in outputs)
-        for kind in ("cold",):
-            row[kind].pop("output")
+        row["output"] = row["cold"].pop("output")
         for hit in row["tier_hits"] + row["gpu_hits"]:
             hit.pop("output")
         rows.append(row)
@@ -466,6 +466,25 @@ def restart_phase(driver: Driver, restart: dict[str, Any], shape: Shape) -> dict
     return {"summary": summary, "loaded_keys": loaded}
 
 
+def serve_until_drained(driver: Driver, shape: Shape, seconds: float) -> dict[str, Any]:
+    """Serve new prompts one after another (each stored to the tier) until the engine fails or
+    `seconds` pass; the plugin fails the engine at the first transfer after a drain."""
+    import random
+
+    rng = random.Random(11)
+    served = 0
+    print("  drain: serving", flush=True)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        tokens = [rng.randrange(1000, shape.vocab - 1000) for _ in range(1024)]
+        try:
+            single(driver, tokens, 4)
+        except Exception as exc:  # the engine's end: what ended it is the finding
+            return {"served": served, "error": f"{type(exc).__name__}: {exc}"}
+        served += 1
+    return {"served": served, "error": None}
+
+
 def main(argv: list[str]) -> int:
     spec_path, result_path = argv
     spec = json.loads(Path(spec_path).read_text())
@@ -520,6 +539,8 @@ def main(argv: list[str]) -> int:
                 f"{summary['external_hit_rate']:.3f}, moved {summary['moved']}",
                 flush=True,
             )
+        if spec.get("serve_until_drained"):
+            result["drain"] = serve_until_drained(driver, shape, spec["serve_until_drained"])
         if spec.get("restart"):
             result["restart"] = restart_phase(driver, spec["restart"], shape)
         result["ok"] = True

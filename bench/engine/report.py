@@ -9,6 +9,7 @@ import sys
 from collections import defaultdict
 from typing import Any
 
+MS_FIELDS = ("itl_p50", "itl_p99", "decode_step_p50_transfers", "decode_step_p50_no_transfers")
 TIERS = {"a": "(a) no tier", "b": "(b) vLLM's tier", "c": "(c) kvshm"}
 
 
@@ -18,6 +19,14 @@ def _f(value: Any, digits: int = 3) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def _row(*cells: Any) -> str:
+    return " | ".join(str(c) for c in cells)
 
 
 def _median(values: list[float]) -> float | None:
@@ -57,7 +66,7 @@ def print_bench(results: list[dict[str, Any]]) -> list[str]:
         ].append(r)
     for shape, runs in by_shape.items():
         device = next((r.get("device") for r in runs if r.get("device")), "?")
-        link = next((r["link"] for r in runs if r.get("link")), {})
+        link: dict[str, float] = next((r["link"] for r in runs if r.get("link")), {})
         lines.append(
             f"\n## {shape} on {device}; link H2D {_f(link.get('h2d_gbps'), 1)} GB/s, "
             f"D2H {_f(link.get('d2h_gbps'), 1)} GB/s"
@@ -75,18 +84,23 @@ def print_bench(results: list[dict[str, Any]]) -> list[str]:
             p = probe_figures(r)
             probes[tier].append(p)
             lines.append(
-                f"{TIERS[tier]} | {_f(r.get('ready_s'), 1)} | {_spread(p['cold'])} | {_spread(p['gpu'])} | "
-                f"{_spread(p['tier'])} | {_f(p['external_tokens'], 0)} | "
-                f"{_f((p['load_bytes'] or 0) / 1e6, 0)} | {p['outputs_equal']}"
+                _row(
+                    TIERS[tier],
+                    _f(r.get("ready_s"), 1),
+                    _spread(p["cold"]),
+                    _spread(p["gpu"]),
+                    _spread(p["tier"]),
+                    _f(p["external_tokens"], 0),
+                    _f((p["load_bytes"] or 0) / 1e6, 0),
+                    p["outputs_equal"],
+                )
             )
         b_tier = [t for p in probes.get("b", []) for t in p["tier"]]
         c_tier = [t for p in probes.get("c", []) for t in p["tier"]]
         c_gpu = [t for p in probes.get("c", []) for t in p["gpu"]]
         if c_tier and b_tier:
             ratio = statistics.median(c_tier) / statistics.median(b_tier)
-            lines.append(
-                f"tier-hit TTFT (c)/(b) = {ratio:.3f} (goal <= 1: {'met' if ratio <= 1 else 'NOT met'})"
-            )
+            lines.append(f"tier-hit TTFT (c)/(b) = {ratio:.3f} (goal <= 1: {_met(ratio <= 1)})")
         if c_tier and c_gpu and link.get("h2d_gbps"):
             loaded = statistics.median(p["load_bytes"] or 0 for p in probes["c"])
             limit = statistics.median(c_gpu) + loaded / (link["h2d_gbps"] * 1e9)
@@ -113,17 +127,29 @@ def print_bench(results: list[dict[str, Any]]) -> list[str]:
             for tier, ws in sorted(tiers.items()):
                 for w in ws:
                     moved = w["moved"]
+                    ms = {k: _f((w[k] or 0) * 1e3, 1) for k in MS_FIELDS}
                     lines.append(
-                        f"{TIERS[tier]} | {w['seconds']:.1f} | {w['requests_per_s']:.3f} | "
-                        f"{w['output_tokens_per_s']:.1f} | {w['total_tokens_per_s']:.0f} | "
-                        f"{_f(w['ttft_p50'])} | {_f(w['ttft_p99'])} | {w['external_hit_rate']:.3f} | "
-                        f"{moved['load_bytes'] / 1e9:.2f} | {moved['store_bytes'] / 1e9:.2f} | "
-                        f"{_f((w['itl_p50'] or 0) * 1e3, 1)} | {_f((w['itl_p99'] or 0) * 1e3, 1)} | "
-                        f"{_f((w['decode_step_p50_transfers'] or 0) * 1e3, 1)} / "
-                        f"{_f((w['decode_step_p50_no_transfers'] or 0) * 1e3, 1)} "
-                        f"({w['decode_steps_with_transfers']})"
+                        _row(
+                            TIERS[tier],
+                            f"{w['seconds']:.1f}",
+                            f"{w['requests_per_s']:.3f}",
+                            f"{w['output_tokens_per_s']:.1f}",
+                            f"{w['total_tokens_per_s']:.0f}",
+                            _f(w["ttft_p50"]),
+                            _f(w["ttft_p99"]),
+                            f"{w['external_hit_rate']:.3f}",
+                            f"{moved['load_bytes'] / 1e9:.2f}",
+                            f"{moved['store_bytes'] / 1e9:.2f}",
+                            ms["itl_p50"],
+                            ms["itl_p99"],
+                            f"{ms['decode_step_p50_transfers']} / "
+                            f"{ms['decode_step_p50_no_transfers']} "
+                            f"({w['decode_steps_with_transfers']})",
+                        )
                     )
-            rate = {t: _median([w["requests_per_s"] for w in ws]) for t, ws in tiers.items()}
+            rate = {
+                t: statistics.median(w["requests_per_s"] for w in ws) for t, ws in tiers.items()
+            }
             if rate.get("c") and rate.get("a"):
                 ca = rate["c"] / rate["a"]
                 goal = "<= 3 % below (a)" if name == "zero_reuse" else ">= 2x (a)"
@@ -174,20 +200,24 @@ def print_startup(results: list[dict[str, Any]]) -> list[str]:
 def print_restart(r: dict[str, Any]) -> list[str]:
     lines = ["\n## restart: SIGKILL at a random moment, a new engine process on the same region"]
     before = r.get("tier_hit_ttft_before_kill") or []
+    outcome = r.get("second_outcome") or {}
+    fraction = r.get("resident_hit_fraction")
     lines.append(
-        f"killed after {r.get('killed_after_requests')} requests (+{_f(r.get('kill_delay_s'), 2)}s); "
-        f"resident chunks (index) {r.get('resident_chunks')}; hit after restart {r.get('resident_hit')} "
-        f"= {_f(r.get('resident_hit_fraction'), 4)} (goal >= 0.99); outputs equal: "
+        f"killed after {r.get('killed_after_requests')} requests "
+        f"(+{_f(r.get('kill_delay_s'), 2)}s); resident chunks (index) {r.get('resident_chunks')}; "
+        f"hit after restart {r.get('resident_hit')} = {_f(fraction, 4)} "
+        f"(goal >= 0.99: {_met(fraction is not None and fraction >= 0.99)}); outputs equal: "
         f"{r.get('outputs_equal')} ({r.get('outputs_compared')} requests); second start: "
-        f"{(r.get('second_outcome') or {}).get('state')} {(r.get('second_outcome') or {}).get('chunks')}"
+        f"{outcome.get('state')} {outcome.get('chunks')}"
     )
     first = r.get("first_ttft_after_restart")
     if first is not None and before:
         ratio = first / statistics.median(before)
+        external = r.get("first_external_tokens_after_restart")
         lines.append(
-            f"first request after restart TTFT {first:.3f}s ({r.get('first_external_tokens_after_restart')} "
-            f"external tokens) / tier hit before the kill {statistics.median(before):.3f}s = {ratio:.2f} "
-            f"(goal <= 1.2: {'met' if ratio <= 1.2 else 'NOT met'})"
+            f"first request after restart TTFT {first:.3f}s ({external} external tokens) / tier "
+            f"hit before the kill {statistics.median(before):.3f}s = {ratio:.2f} "
+            f"(goal <= 1.2: {_met(ratio <= 1.2)})"
         )
     if r.get("error"):
         lines.append(f"second engine error: {str(r['error'])[-500:]}")
@@ -216,4 +246,5 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    print_report(json.loads(open(sys.argv[1]).read()))
+    with open(sys.argv[1]) as saved:
+        print_report(json.load(saved))

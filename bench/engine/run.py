@@ -47,7 +47,7 @@ def python_env() -> dict[str, str]:
     # the startup hook first (bench/engine/startup/sitecustomize.py), then kvshm's sources
     roots = [str(REPO / "bench" / "engine" / "startup")]
     roots += [str(REPO / d) for d in ("agent", "common", "serving", "cli", "operator")]
-    env["PYTHONPATH"] = os.pathsep.join(roots + [env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([*roots, env.get("PYTHONPATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -234,7 +234,7 @@ def workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def bench(args: argparse.Namespace, work: Path, log: Path) -> list[dict[str, Any]]:
     results = []
-    plugin_extra = {"kvshm_model_revision": "dummy-weights-seed-0"} if args.revision else {}
+    plugin_extra: dict[str, Any] = {}  # dummy weights identify themselves: warm restart on
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
         model_dir = shape.write(work / "models" / shape.name)
@@ -275,7 +275,7 @@ def startup(args: argparse.Namespace, work: Path, log: Path) -> list[dict[str, A
             model_dir,
             int(args.startup_gib * GIB),
             Path(args.root),
-            {"kvshm_model_revision": "dummy-weights-seed-0"},
+            {},
         )
         spec |= {"warmup": False, "first_request": 2048, "workloads": []}
         result = run_engine(spec, work, log, args.timeout)
@@ -326,7 +326,7 @@ def restart(args: argparse.Namespace, work: Path, log: Path) -> dict[str, Any]:
     model_dir = shape.write(work / "models" / shape.name)
     rng = random.Random(args.seed)
     spec = base_spec(args, shape, model_dir, "c", "restart-first")
-    extra = {} if args.no_revision_in_restart else {"kvshm_model_revision": "dummy-weights-seed-0"}
+    extra: dict[str, Any] = {}
     spec, region, _ = with_tier(
         spec, shape, model_dir, int(args.cpu_gib * GIB), Path(args.root), extra
     )
@@ -334,7 +334,7 @@ def restart(args: argparse.Namespace, work: Path, log: Path) -> dict[str, Any]:
     chunks = spec["cpu_bytes"] // shape.kv_bytes_per_block
     progress = work / "restart-progress-first.jsonl"
     workload = {
-        "prefixes": 4,
+        "prefixes": 8,
         "prefix_tokens": args.prefix_tokens // 2,
         "requests": 400,
         "suffix_tokens": 256,
@@ -357,7 +357,7 @@ def restart(args: argparse.Namespace, work: Path, log: Path) -> dict[str, Any]:
             env=python_env(),
         )
         deadline = time.monotonic() + args.timeout
-        wanted = 4 + 2 + rng.randrange(0, 6)  # every prefix once, then some tier hits
+        wanted = workload["prefixes"] + 2 + rng.randrange(0, 6)  # each prefix, then tier hits
         while len(read_progress(progress)) < wanted and first.poll() is None:
             if time.monotonic() > deadline:
                 break
@@ -429,16 +429,9 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=40960)
     parser.add_argument("--scale", type=int, default=1)
     parser.add_argument("--no-workloads", dest="workloads", action="store_false")
-    parser.add_argument(
-        "--no-revision",
-        dest="revision",
-        action="store_false",
-        help="(c) without kvshm_model_revision",
-    )
     parser.add_argument("--startup-gib", type=float, default=0.0)
     parser.add_argument("--startup-repeats", type=int, default=1)
     parser.add_argument("--restart", action="store_true")
-    parser.add_argument("--no-revision-in-restart", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--root", default="/dev/shm/kvshm-engine-bench")

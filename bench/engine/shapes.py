@@ -120,4 +120,20 @@ QWEN_25_32B = Shape(
     },
 )
 
-SHAPES = {s.name: s for s in (LLAMA_31_8B, QWEN_25_7B, QWEN_25_32B)}
+# a small Llama-shaped model for the GPU tests: an engine of it starts in seconds
+LLAMA_TINY = Shape(
+    "llama-tiny",
+    {
+        **LLAMA_31_8B.config,
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 4,
+        "vocab_size": 32000,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+)
+
+SHAPES = {s.name: s for s in (LLAMA_31_8B, QWEN_25_7B, QWEN_25_32B, LLAMA_TINY)}

@@ -162,7 +162,8 @@ def install(with_dma: bool = True) -> list[str]:
         import importlib
 
         try:
-            origin = importlib.import_module("vllm._C_stable_libtorch").__spec__.origin
+            spec = importlib.import_module("vllm._C_stable_libtorch").__spec__
+            origin = spec.origin if spec is not None else None
         except ImportError:  # no startup hook in this process: this process only
             sys.modules["vllm._C_stable_libtorch"] = types.ModuleType("vllm._C_stable_libtorch")
             origin = "this process only"
