@@ -11,6 +11,7 @@ each: nothing is shared but the disk caches) and reads the results.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -244,7 +245,11 @@ class Driver:
             self.engine.step()
 
     def serve(self, workload: Workload) -> dict[str, Any]:
-        pending = list(reversed(workload.conversations))
+        # a stack of (conversation, turn, history): a conversation's next turn goes to the
+        # bottom, behind every turn already waiting, so conversations interleave
+        pending: list[tuple[Conversation, int, list[int]]] = [
+            (c, 0, []) for c in reversed(workload.conversations)
+        ]
         active: dict[str, RequestRecord] = {}
         done: list[RequestRecord] = []
         steps: list[tuple[float, bool, int]] = []
@@ -253,7 +258,7 @@ class Driver:
         start = time.perf_counter()
         while pending or active:
             while pending and len(active) < workload.concurrency:
-                request_id, record = self.submit(pending.pop(), 0, [])
+                request_id, record = self.submit(*pending.pop())
                 active[request_id] = record
             transfers = tally.in_flight > 0
             t0 = time.perf_counter()
@@ -287,10 +292,8 @@ class Driver:
                     del active[key]
                     conversation = record.conversation
                     if record.turn + 1 < len(conversation.turns):
-                        request_id, nxt = self.submit(
-                            conversation, record.turn + 1, record.prompt + record.output
-                        )
-                        active[request_id] = nxt
+                        history = record.prompt + record.output
+                        pending.insert(0, (conversation, record.turn + 1, history))
             steps.append((t1 - t0, transfers, decoding))
         elapsed = time.perf_counter() - start
         self.drain()
@@ -466,6 +469,17 @@ def restart_phase(driver: Driver, restart: dict[str, Any], shape: Shape) -> dict
     return {"summary": summary, "loaded_keys": loaded}
 
 
+def plugin_facts(probes: Probes) -> dict[str, Any] | None:
+    """What kvshm's scheduler side found on the engine's real path: whether warm restart got
+    vLLM's config and identified the weights (its outcome), and how the index started."""
+    connector = getattr(probes.scheduler, "connector", None)
+    manager = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+    if manager is None or not hasattr(manager, "warm_outcome"):
+        return None
+    outcome = manager.warm_outcome
+    return {"warm_outcome": None if outcome is None else dataclasses.asdict(outcome)}
+
+
 def serve_until_drained(driver: Driver, shape: Shape, seconds: float) -> dict[str, Any]:
     """Serve new prompts one after another (each stored to the tier) until the engine fails or
     `seconds` pass; the plugin fails the engine at the first transfer after a drain."""
@@ -543,6 +557,7 @@ def main(argv: list[str]) -> int:
             result["drain"] = serve_until_drained(driver, shape, spec["serve_until_drained"])
         if spec.get("restart"):
             result["restart"] = restart_phase(driver, spec["restart"], shape)
+        result["plugin"] = plugin_facts(probes)
         result["ok"] = True
     except Exception:
         result["ok"] = False

@@ -16,6 +16,7 @@ the engine processes register stand-ins for the few compiled ops they call
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -35,6 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path[:0] = [str(REPO)]
 
+from bench.engine.report import print_report  # noqa: E402
 from bench.engine.shapes import BLOCK_SIZE, SHAPES, Shape  # noqa: E402
 
 ENGINE = REPO / "bench" / "engine" / "engine.py"
@@ -208,7 +210,7 @@ def workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
             "kind": "prefix_repetition",
             "prefixes": 5,
             "prefix_tokens": args.prefix_tokens,
-            "requests": 15 * q,
+            "requests": 10 * q,
             "suffix_tokens": 256,
             "max_tokens": 32,
             "concurrency": 2,
@@ -216,7 +218,7 @@ def workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
         {
             "kind": "multi_turn",
             "conversations": 8 * q,
-            "turns": 4,
+            "turns": 3,
             "first_tokens": 8192,
             "turn_tokens": 512,
             "max_tokens": 64,
@@ -224,7 +226,7 @@ def workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
         },
         {
             "kind": "zero_reuse",
-            "requests": 16 * q,
+            "requests": 12 * q,
             "prompt_tokens": 4096,
             "max_tokens": 64,
             "concurrency": 4,
@@ -342,7 +344,7 @@ def restart(args: argparse.Namespace, work: Path, log: Path) -> dict[str, Any]:
         "concurrency": 1,
     }
     spec |= {
-        "warmup": True,
+        "warmup": False,  # every chunk it stores is one the replay asks for again
         "workloads": [],
         "restart": {"phase": "first", "progress": str(progress), "workload": workload},
     }
@@ -403,7 +405,7 @@ def restart(args: argparse.Namespace, work: Path, log: Path) -> dict[str, Any]:
         "resident_keys": resident,
         "resident_hit": len(hit),
         "resident_hit_fraction": len(hit) / len(resident) if resident else None,
-        "second_outcome": None if outcome is None else outcome.__dict__,
+        "second_outcome": None if outcome is None else dataclasses.asdict(outcome),
         "outputs_compared": len(equal),
         "outputs_equal": all(equal) and len(equal) == len(served),
         "first_ttft_after_restart": replay[0]["ttft"] if replay else None,
@@ -450,15 +452,16 @@ def main() -> int:
         if not args.skip_bench:
             report["bench"] = bench(args, work, log)
             (out / "results.json").write_text(json.dumps(report, indent=1))
+            print_report(
+                {"bench": report["bench"]}
+            )  # the tables so far, should a later part not end
         if args.restart:
             report["restart"] = restart(args, work, log)
             (out / "results.json").write_text(json.dumps(report, indent=1))
         if args.startup_gib:
             report["startup"] = startup(args, work, log)
     (out / "results.json").write_text(json.dumps(report, indent=1))
-    from bench.engine.report import print_report
-
-    print_report(report)
+    print_report({k: v for k, v in report.items() if k != "bench"})
     return 0
 
 

@@ -3,8 +3,9 @@ takes token-id prompts).
 
 A conversation is a list of user turns; turn k's prompt is every earlier prompt and answer
 followed by turn k's tokens, as in vLLM's multi-turn serving benchmark, so a one-turn
-conversation is a plain request. The driver keeps `concurrency` conversations in flight, each
-with one request at a time.
+conversation is a plain request. The driver keeps `concurrency` requests in flight, at most one
+a conversation, and queues a conversation's next turn behind every turn already waiting, so
+conversations interleave.
 """
 
 from __future__ import annotations
