@@ -226,7 +226,7 @@ def workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
         },
         {
             "kind": "zero_reuse",
-            "requests": 12 * q,
+            "requests": 8 * q,
             "prompt_tokens": 4096,
             "max_tokens": 64,
             "concurrency": 4,
@@ -251,7 +251,8 @@ def bench(args: argparse.Namespace, work: Path, log: Path) -> list[dict[str, Any
                 "prefixes": args.probe_prefixes,
                 "repeats": 2,
             }
-            spec["workloads"] = workloads(args) if args.workloads else []
+            chosen = args.workloads.split(",") if args.workloads else []
+            spec["workloads"] = [w for w in workloads(args) if w["kind"] in chosen]
             result = run_engine(spec, work, log, args.timeout)
             result["agent_s"] = agent_s
             results.append(result)
@@ -430,7 +431,11 @@ def main() -> int:
     parser.add_argument("--probe-prefixes", type=int, default=3)
     parser.add_argument("--max-model-len", type=int, default=40960)
     parser.add_argument("--scale", type=int, default=1)
-    parser.add_argument("--no-workloads", dest="workloads", action="store_false")
+    parser.add_argument(
+        "--workloads",
+        default="prefix_repetition,multi_turn,zero_reuse",
+        help="comma-separated workloads after the hit probe ('' for none)",
+    )
     parser.add_argument("--startup-gib", type=float, default=0.0)
     parser.add_argument("--startup-repeats", type=int, default=1)
     parser.add_argument("--restart", action="store_true")
