@@ -500,7 +500,13 @@ def serve_until_drained(driver: Driver, shape: Shape, seconds: float) -> dict[st
 
 
 def main(argv: list[str]) -> int:
-    spec_path, result_path = argv
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("spec", help="the configuration, as bench/engine/run.py writes it")
+    parser.add_argument("result", help="where the measurements go (JSON)")
+    args = parser.parse_args(argv)
+    spec_path, result_path = args.spec, args.result
     spec = json.loads(Path(spec_path).read_text())
     os.environ.update(ENGINE_ENV)
     if spec.get("kv_cache_layout"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from collections import defaultdict
 from typing import Any
 
@@ -245,6 +244,14 @@ def print_report(report: dict[str, Any]) -> None:
     print("\n".join(lines), flush=True)
 
 
-if __name__ == "__main__":
-    with open(sys.argv[1]) as saved:
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("results", help="results.json of bench/engine/run.py")
+    with open(parser.parse_args().results) as saved:
         print_report(json.load(saved))
+
+
+if __name__ == "__main__":
+    main()
