@@ -155,6 +155,18 @@ def weights_fingerprint(model: str, revision: str | None, cache_dirs: list[Path]
         return None
 
 
+def dummy_weights_fingerprint(load_config: Any) -> str | None:
+    """`dummy:torch-<version>` when vLLM fills the weights itself (`--load-format dummy`): its
+    dummy loader draws every weight from a fixed seed, so they follow from the model's config,
+    dtype and vLLM (already identity fields) and torch's generator; None otherwise."""
+    load_format = getattr(load_config, "load_format", None)
+    if str(getattr(load_format, "value", load_format)) != "dummy":
+        return None
+    import torch
+
+    return f"dummy:torch-{torch.__version__}"
+
+
 def engine_identity(
     config: Any,
     vllm_config: Any,
@@ -185,7 +197,8 @@ def engine_identity(
         "model.revision": short(model_config.revision),
         "model.config": digest(hf_json) if hf_json is not None else None,
         "model.weights": short(
-            weights_fingerprint(
+            dummy_weights_fingerprint(load_config)
+            or weights_fingerprint(
                 str(model_config.model),
                 model_config.revision,
                 hub_cache_dirs(getattr(load_config, "download_dir", None)),
