@@ -75,7 +75,7 @@ def cuda_view_from_cpu_tensor(cpu_tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _swap_blocks_batch() -> Any:
-    from kvshm.transfer.backends.cuda_driver import (
+    from kvshm.transfer.cuda.driver import (
         CU_MEM_LOCATION_TYPE_DEVICE,
         CU_MEM_LOCATION_TYPE_HOST,
         CU_MEMCPY_SRC_ACCESS_ORDER_ANY,

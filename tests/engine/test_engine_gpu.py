@@ -117,7 +117,7 @@ def test_a_restarted_engine_hits_what_the_first_stored(
 
 
 def test_a_drain_event_is_followed(tmp_path: Path, model_dir: Path, region: dict[str, Any]) -> None:
-    from kvshm.agent.notify import CHUNK_BYTES, CHUNKS, EVENTS_RING
+    from kvshm.agent.drain.notify import CHUNK_BYTES, CHUNKS, EVENTS_RING
     from kvshm.ipc import MessageQueue, WaitPolicy
     from kvshm.region.drain_event import DrainEvent
     from tests.vllm_plugin.regions import is_held
