@@ -2,7 +2,7 @@
 which keys moved in the eviction order (written to the index at a step's end) and hands its
 evicted chunks to the index at once (R2), can give a committed chunk's eviction order, and can
 restore committed chunks into a fresh policy in that order (docs/warm-restart.md, "Eviction
-order"). The manager (kvshm.vllm.manager) owns the index and decides when it is written.
+order"). The manager (kvshm.vllm.warm.manager) owns the index and decides when it is written.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import heapq
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
-from kvshm.region.index import IndexRecord, RegionIndex
+from kvshm.region.index.writer import IndexRecord, RegionIndex
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus, order_request_keys

@@ -22,18 +22,17 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvshm.region.index import (
+from kvshm.region.index.format import Outcome, now
+from kvshm.region.index.writer import (
     Adoption,
     IndexRecord,
     IndexUnavailable,
-    Outcome,
     RegionIndex,
-    now,
     remove_index,
 )
 from kvshm.region.naming import index_file_name
-from kvshm.vllm.identity import HashingNotReady, hash_identity
-from kvshm.vllm.policies import Journal, JournaledARC, JournaledLRU, JournaledPolicy
+from kvshm.vllm.warm.identity import HashingNotReady, hash_identity
+from kvshm.vllm.warm.policies import Journal, JournaledARC, JournaledLRU, JournaledPolicy
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )

@@ -1,0 +1,11 @@
+"""The plugin's warm start (docs/warm-restart.md): the scheduler-side manager that keeps the
+region's warm-restart index, so a restarted engine of the same identity starts with every chunk
+whose store completed.
+
+- `manager`: KvshmOffloadingManager, vLLM's CPUOffloadingManager keeping the index;
+- `policies`: vLLM's LRU and ARC, journaled (moved keys, evicted chunks) and restorable;
+- `identity`: what decides a block's bytes and key, the identity the index must hold;
+- `weights`: the sampled content digest of a model's weight files (part of the identity).
+
+The file format and the commit protocol's writer are kvshm.region.index's.
+"""
