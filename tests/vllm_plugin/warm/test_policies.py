@@ -13,12 +13,13 @@ from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
-from kvshm.vllm.warm.policies import Journal, JournaledLRU
+from kvshm.vllm.warm.journal import IndexJournal
+from kvshm.vllm.warm.policies import JournaledLRU
 
 KEYS = [f"key-{i}".encode() for i in range(48)]
 
 
-class RecordingJournal(Journal):
+class RecordingJournal(IndexJournal):
     __slots__ = ("evicted_chunks",)
 
     def __init__(self) -> None:

@@ -407,7 +407,7 @@ def test_the_warm_manager_answers_as_vllms_own(
     ours = KvshmOffloadingManager(CHUNKS, cache_policy=policy, enable_events=True, warm=warm)
     theirs = CPUOffloadingManager(CHUNKS, cache_policy=policy, enable_events=True)
     drive(Lockstep(ours, theirs), random.Random(11), 400)
-    assert ours.warm_outcome is not None and ours._index is not None
+    assert ours.warm_outcome is not None and ours._journal.keeping
 
     def events(manager: Any) -> list[tuple[Any, ...]]:
         return [(e.keys, e.removed, e.metadata_only) for e in manager.take_events()]
@@ -684,7 +684,7 @@ def test_random_hash_seeds_keep_no_index(
     manager = scheduler_manager(config)
     keys = store_some(manager)
     assert "seeded randomly per process" in manager.warm_outcome.reason
-    assert manager._index is None
+    assert not manager._journal.keeping
     manager.shutdown()
     again = scheduler_manager(config)
     assert lookup_all(again, keys) == 0

@@ -3,6 +3,7 @@ region's warm-restart index, so a restarted engine of the same identity starts w
 whose store completed.
 
 - `manager`: KvshmOffloadingManager, vLLM's CPUOffloadingManager keeping the index;
+- `journal`: IndexJournal, the one owner of the index's handle: every write goes through it;
 - `policies`: vLLM's LRU and ARC, journaled (moved keys, evicted chunks) and restorable;
 - `identity`: what decides a block's bytes and key, the identity the index must hold;
 - `weights`: the sampled content digest of a model's weight files (part of the identity).
