@@ -7,15 +7,15 @@ The index is written, through its one owner (kvshm.vllm.warm.journal), where vLL
 says a chunk changed: complete_store commits (all workers reported the store), the policy's
 evict invalidates inside prepare_store (before the new store's job reaches a worker),
 reset_cache moves to a new generation, and each step's end writes the eviction order of the
-keys that moved. The manager restores at its first call: vLLM seeds its block hashing
-(init_none_hash) only after it has built the scheduler. An index it cannot use is removed
-before its first store, or it stores nothing: left in place, its records would name rows this
-engine's stores reuse.
+keys that moved. The manager starts warm or cold (_start) at its first call, whichever of
+FIRST_CALLS it is (kvshm.vllm.warm.first_call): vLLM seeds its block hashing (init_none_hash)
+only after it has built the scheduler. An index it cannot use is removed before its first
+store, or it stores nothing: left in place, its records would name rows this engine's stores
+reuse.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import logging
 import time
@@ -26,6 +26,7 @@ from typing import Any
 from kvshm.region.index.format import Outcome, now
 from kvshm.region.index.writer import Adoption, IndexRecord, IndexUnavailable
 from kvshm.region.naming import index_file_name
+from kvshm.vllm.warm.first_call import FirstCall
 from kvshm.vllm.warm.identity import HashingNotReady, hash_identity
 from kvshm.vllm.warm.journal import IndexJournal
 from kvshm.vllm.warm.policies import JournaledARC, JournaledLRU, JournaledPolicy
@@ -54,8 +55,8 @@ STORES_OFF = "kvshm_warm_index_stores_off"
 # what a drop is counted by: an identity field's name, or one of these
 DROP_NEW, DROP_DAMAGED, DROP_UNAVAILABLE, DROP_OFF = "new", "damaged", "unavailable", "off"
 
-# the manager's calls that can come first: the index is restored before any of them runs
-_FIRST_CALLS = ("on_new_request", "lookup", "prepare_store", "touch", "on_schedule_end")
+# the manager's calls that can come first: the first of them starts it warm or cold (_start)
+FIRST_CALLS = ("on_new_request", "lookup", "prepare_store", "touch", "on_schedule_end")
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -160,25 +161,14 @@ class KvshmOffloadingManager(CPUOffloadingManager):
                 f"the cache policy {cache_policy!r} is not vLLM's lru or arc, whose eviction "
                 f"order kvshm keeps"
             )
-        for name in _FIRST_CALLS:  # shadowed until the first call; then the class's own again
-            setattr(self, name, functools.partial(self._first_call, name))
+        self._first_call = FirstCall(self, FIRST_CALLS, self._start)
 
     # -- the first call ------------------------------------------------------------------
 
-    def _first_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        if not self._start(name):
-            return getattr(type(self), name)(self, *args, **kwargs)
-        for shadowed in _FIRST_CALLS:
-            # not through __dict__, which would materialize the instance's attribute dict
-            # and slow every attribute vLLM's methods read from then on
-            delattr(self, shadowed)
-        if self.stores_off:
-            self.prepare_store = self._store_nothing
-        return getattr(self, name)(*args, **kwargs)
-
     def _start(self, call: str) -> bool:
-        """Adopt or drop the index; False to stay armed (a step ended before vLLM seeded its
-        hashing: no request, so no key, has been seen)."""
+        """Adopt or drop the index, at the first of FIRST_CALLS; False to start at the next
+        call instead (a step ended before vLLM seeded its hashing: no request, so no key, has
+        been seen)."""
         warm = self._warm
         assert warm is not None
         started = time.perf_counter()
@@ -274,6 +264,8 @@ class KvshmOffloadingManager(CPUOffloadingManager):
             removed = self._journal.remove(warm.directory, warm.instance_id)
         except IndexUnavailable as exc:
             self.stores_off = True
+            # for the engine's life, found before the class's method: stores pay no check
+            self.prepare_store = self._store_nothing
             why = (
                 f"{why}; nor can it be removed ({exc}), so this engine stores nothing in the "
                 f"region: a later engine would restore records naming rows it stored into"
