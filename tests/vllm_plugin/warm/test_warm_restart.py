@@ -416,6 +416,21 @@ def test_the_warm_manager_answers_as_vllms_own(
     ours.shutdown()
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_manager_without_an_index_holds_no_key_past_a_step(shm_dir: Path, policy: str) -> None:
+    """With warm restart off (or an index the engine cannot keep) the journaled policy still
+    notes every key that moves; a step's end lets them go, or the engine's memory would grow
+    with every key it ever served."""
+    from kvshm.vllm.warm.manager import KvshmOffloadingManager, WarmStart
+
+    warm = WarmStart(str(shm_dir), "unit", None, off_reason="warm restart off")
+    manager = KvshmOffloadingManager(CHUNKS, cache_policy=policy, warm=warm)
+    drive(manager, random.Random(5), 300, spread=1000)
+    assert manager.warm_outcome is not None and manager.warm_outcome.state == "cold"
+    assert len(manager._journal.moved) == 0
+    manager.shutdown()
+
+
 def test_reset_cache_drops_every_chunk_for_a_restart_too(
     shm_dir: Path, sha256_hashing: None
 ) -> None:

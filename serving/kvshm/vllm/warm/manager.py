@@ -341,8 +341,11 @@ class KvshmOffloadingManager(CPUOffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         super().on_schedule_end(context)
         journal = self._journal
-        if journal.moved and journal.keeping:
-            self._flush()
+        if journal.moved:
+            if journal.keeping:
+                self._flush()
+            else:  # no index to write them to: kept, they would grow with every key served
+                journal.moved.clear()
 
     def _flush(self) -> None:
         """Write the eviction order of the committed keys that moved in this step."""
