@@ -40,9 +40,9 @@ TARGET_T1_AT: Final = 80
 OUTCOME_AT: Final = 128
 OUTCOME_END: Final = 512
 IDENTITY_AT: Final = 1024
-U32 = struct.Struct("<I")
-U64 = struct.Struct("<Q")
-F64 = struct.Struct("<d")
+UINT32 = struct.Struct("<I")
+UINT64 = struct.Struct("<Q")
+FLOAT64 = struct.Struct("<d")
 _OUTCOME_HEAD = struct.Struct("<II")  # CRC-32, length of the JSON that follows
 
 I64_MAX: Final = (1 << 63) - 1
@@ -217,8 +217,8 @@ def parse_header(data: bytes, records: int | None = None) -> IndexHeader:
     magic, version, header_bytes, record_bytes, identity_len, count, digest = STATIC.unpack_from(
         data
     )
-    generation = U64.unpack_from(data, GENERATION_AT)[0]
-    target_t1 = F64.unpack_from(data, TARGET_T1_AT)[0]
+    generation = UINT64.unpack_from(data, GENERATION_AT)[0]
+    target_t1 = FLOAT64.unpack_from(data, TARGET_T1_AT)[0]
     outcome = Outcome.decode(data[OUTCOME_AT:OUTCOME_END])
 
     def bad(problem: str) -> IndexHeader:
@@ -238,7 +238,7 @@ def parse_header(data: bytes, records: int | None = None) -> IndexHeader:
         return bad(f"{count} records")
     document = data[IDENTITY_AT : IDENTITY_AT + identity_len]
     check = zlib.crc32(document, zlib.crc32(data[:STATIC_CHECK_AT]))
-    if U32.unpack_from(data, STATIC_CHECK_AT)[0] != check:
+    if UINT32.unpack_from(data, STATIC_CHECK_AT)[0] != check:
         return bad("the header's checksum does not match (a torn or altered header)")
     if hashlib.sha256(document).digest() != digest:
         return bad("the identity's digest does not match")

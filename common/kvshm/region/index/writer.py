@@ -23,7 +23,7 @@ from typing import Final, NamedTuple
 from kvshm.region import safefile
 from kvshm.region.errors import UnsafePathError
 from kvshm.region.index.format import (
-    F64,
+    FLOAT64,
     FORMAT_VERSION,
     GENERATION_AT,
     HEADER_BYTES,
@@ -38,8 +38,8 @@ from kvshm.region.index.format import (
     STATIC,
     STATIC_CHECK_AT,
     TARGET_T1_AT,
-    U32,
-    U64,
+    UINT32,
+    UINT64,
     FieldDifference,
     Identity,
     IndexError_,
@@ -163,7 +163,7 @@ class RegionIndex:
         self.records = records
         self._fd = fd
         self._map: mmap.mmap | None = mapping
-        self._generation = U64.unpack_from(mapping, GENERATION_AT)[0]
+        self._generation = UINT64.unpack_from(mapping, GENERATION_AT)[0]
 
     @classmethod
     def open(
@@ -234,7 +234,7 @@ class RegionIndex:
         document = identity_document(identity)
         mapping = self._mapping
         self._set_generation(_new_generation(self._generation))
-        F64.pack_into(mapping, TARGET_T1_AT, 0.0)
+        FLOAT64.pack_into(mapping, TARGET_T1_AT, 0.0)
         mapping[IDENTITY_AT:HEADER_BYTES] = bytes(HEADER_BYTES - IDENTITY_AT)
         mapping[IDENTITY_AT : IDENTITY_AT + len(document)] = document
         STATIC.pack_into(
@@ -249,10 +249,10 @@ class RegionIndex:
             hashlib.sha256(document).digest(),
         )
         check = zlib.crc32(document, zlib.crc32(mapping[:STATIC_CHECK_AT]))
-        U32.pack_into(mapping, STATIC_CHECK_AT, check)
+        UINT32.pack_into(mapping, STATIC_CHECK_AT, check)
 
     def _set_generation(self, generation: int) -> None:
-        U64.pack_into(self._mapping, GENERATION_AT, generation)
+        UINT64.pack_into(self._mapping, GENERATION_AT, generation)
         self._generation = generation
 
     def adopt(self, identity: Identity) -> Adoption:
@@ -330,7 +330,7 @@ class RegionIndex:
         generation = self._generation
         mixed = generation ^ (generation >> 32)
         mapping = self._mapping
-        body, word, crc32 = _BODY.pack_into, U64.pack_into, zlib.crc32
+        body, word, crc32 = _BODY.pack_into, UINT64.pack_into, zlib.crc32
         for slot, key, (major, minor) in records:
             length = len(key)
             if not 0 < length <= MAX_KEY_BYTES:
@@ -346,10 +346,10 @@ class RegionIndex:
     def invalidate(self, slot: int) -> None:
         """Chunk `slot` no longer holds its key's bytes, or soon will not (evicted, or about to
         enter the free list)."""
-        U64.pack_into(self._mapping, HEADER_BYTES + slot * RECORD_BYTES, 0)
+        UINT64.pack_into(self._mapping, HEADER_BYTES + slot * RECORD_BYTES, 0)
 
     def invalidate_many(self, slots: Iterable[int]) -> None:
-        mapping, word = self._mapping, U64.pack_into
+        mapping, word = self._mapping, UINT64.pack_into
         for slot in slots:
             word(mapping, HEADER_BYTES + slot * RECORD_BYTES, 0)
 
@@ -375,12 +375,12 @@ class RegionIndex:
 
     @property
     def target_t1(self) -> float:
-        value: float = F64.unpack_from(self._mapping, TARGET_T1_AT)[0]
+        value: float = FLOAT64.unpack_from(self._mapping, TARGET_T1_AT)[0]
         return value
 
     @target_t1.setter
     def target_t1(self, value: float) -> None:
-        F64.pack_into(self._mapping, TARGET_T1_AT, float(value))
+        FLOAT64.pack_into(self._mapping, TARGET_T1_AT, float(value))
 
     def write_outcome(self, outcome: Outcome) -> None:
         block = outcome.encode()
