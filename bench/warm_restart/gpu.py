@@ -78,7 +78,7 @@ def seed_hashing() -> None:
 
 
 def manager(directory: str, instance_id: str, chunks: int) -> Any:
-    from kvshm.vllm.manager import KvshmOffloadingManager, WarmStart
+    from kvshm.vllm.warm.manager import KvshmOffloadingManager, WarmStart
 
     identity = {"bench": "warm_restart_gpu", "layout": LAYOUT.name, "chunks": chunks}
     return KvshmOffloadingManager(chunks, "lru", warm=WarmStart(directory, instance_id, identity))
@@ -377,7 +377,7 @@ NEEDED = (
     "vllm.v1.kv_offload.cpu.shared_offload_region",
     "vllm.v1.kv_offload.tiering.fs.manager",
     "vllm.v1.core.kv_cache_utils",
-    "kvshm.vllm.manager",
+    "kvshm.vllm.warm.manager",
     "kvshm.vllm.worker",
 )
 

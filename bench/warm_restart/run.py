@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvshm.region.index import index_size
+from kvshm.region.index.format import index_size
 
 GIB = 1 << 30
 # rows of real regions (docs/warm-restart.md): vLLM's kv_bytes_per_chunk at block size 16, bf16
@@ -138,7 +138,7 @@ def vllm_manager(chunks: int) -> Any:
 
 
 def kvshm_manager(chunks: int, directory: str, instance: str) -> Any:
-    from kvshm.vllm.manager import KvshmOffloadingManager, WarmStart
+    from kvshm.vllm.warm.manager import KvshmOffloadingManager, WarmStart
 
     return KvshmOffloadingManager(chunks, "lru", warm=WarmStart(directory, instance, {"b": 1}))
 

@@ -1,5 +1,5 @@
 """The cost, at engine start, of the weights identity of a local model directory: the sampled
-content digest of its weight files (kvshm.vllm.weights), cold and warm, against hashing the
+content digest of its weight files (kvshm.vllm.warm.weights), cold and warm, against hashing the
 files whole.
 
     PYTHONPATH=agent:common:serving:cli:operator .venv/bin/python \\
@@ -11,7 +11,7 @@ shards are there already (--tiny: a model a thousandth that size, for a quick ru
 what was made is removed at the end). --directory must be on a disk for a cold figure: a
 tmpfs's pages are never dropped. Then, --rounds times: every weight file's pages dropped from
 the page cache (posix_fadvise DONTNEED on these files only, so other processes' cache is left
-alone) and kvshm.vllm.identity.weights_fingerprint timed (cold), then timed again (warm).
+alone) and kvshm.vllm.warm.identity.weights_fingerprint timed (cold), then timed again (warm).
 Last, a whole-file SHA-256 of the same files from the page cache, for contrast. Each figure is
 also given per GB and extrapolated to 140 GB (Llama-3.1-70B in bf16), linearly: the samples
 are a fixed stride of each tensor, so their count grows with the bytes.
@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from kvshm.region import memory
-from kvshm.vllm.identity import weights_fingerprint
-from kvshm.vllm.weights import sample_plan
+from kvshm.vllm.warm.identity import weights_fingerprint
+from kvshm.vllm.warm.weights import sample_plan
 
 GB = 10**9
 TARGET_BYTES = 140 * GB

@@ -13,7 +13,7 @@ from kvshm.agent.metrics import AgentMetrics
 from kvshm.agent.reports import PassResult
 from kvshm.agent.tenantfiles import MAX_ENTRIES
 from kvshm.api import NodeRegionPhase
-from kvshm.region.index import index_size
+from kvshm.region.index.format import index_size
 from tests.agent.builders import MIB, make_reconciler, region, settle, view
 
 ALLOWANCE = MIB

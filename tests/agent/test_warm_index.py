@@ -14,7 +14,9 @@ from pathlib import Path
 
 from kvshm.agent.warmindex import warm_index_report
 from kvshm.api import NodeRegionPhase, ReclaimOutcome, WarmIndexReport, WarmIndexState
-from kvshm.region.index import HEADER_BYTES, IndexReading, Outcome, RegionIndex
+from kvshm.region.index.format import HEADER_BYTES, Outcome
+from kvshm.region.index.reader import IndexReading
+from kvshm.region.index.writer import RegionIndex
 from kvshm.region.naming import index_file_name, parse_index_file_name, parse_region_file_name
 from tests.agent.builders import make_reconciler, reclaim, region, settle, view
 from tests.agent.hostile import (
@@ -24,7 +26,7 @@ from tests.agent.hostile import (
     traversable,
     write_regions,
 )
-from tests.region.index_planting import header, outcome_json, planted_headers
+from tests.region.index.planting import header, outcome_json, planted_headers
 
 PATH = "ns1/r1/vllm_offload_r1.mmap"
 RECORDS = 16

@@ -28,7 +28,7 @@ from kvshm.agent.root.saferoot import RegionDir
 from kvshm.agent.sizes import format_bytes
 from kvshm.api import OffloadRegion
 from kvshm.region.drain_event import EVENTS_RING
-from kvshm.region.index import index_size
+from kvshm.region.index.format import index_size
 from kvshm.region.naming import index_file_name
 
 MAX_ENTRIES = 1024

@@ -1,8 +1,8 @@
 """A Ready region's warm-restart index as its status reports it (status.nodes.<node>.warmIndex):
 what the last engine that started on the region made of the index, read from the index's header
-(kvshm.region.index.read_outcome; docs/warm-restart.md). The engine writes that outcome at its
-start; the agent only reads it, once a pass, and never trusts it: every value is bounded before
-it reaches the status."""
+(kvshm.region.index.reader.read_outcome; docs/warm-restart.md). The engine writes that outcome at
+its start; the agent only reads it, once a pass, and never trusts it: every value is bounded
+before it reaches the status."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from kvshm.agent.errors import describe
 from kvshm.agent.root.saferoot import RegionRoot
 from kvshm.api import OffloadRegion, WarmIndexReport, WarmIndexState
-from kvshm.region.index import IndexReading, read_outcome
+from kvshm.region.index.reader import IndexReading, read_outcome
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ The geometry (num_chunks, kv_bytes_per_chunk padded to 4096, cpu_page_size_per_w
 replicated layout) is vLLM's own: the spec inherits it from CPUOffloadingSpec. The worker
 attaches the agent's region instead of creating one and moves blocks with kvshm's transfer
 handlers; the scheduler side is vLLM's CPUOffloadingManager keeping the region's warm-restart
-index (kvshm.vllm.manager, docs/warm-restart.md).
+index (kvshm.vllm.warm, docs/warm-restart.md).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from kvshm.region import region_file_name
 from kvshm.transfer import ChoiceCache
 from kvshm.vllm.attach import attach_region
 from kvshm.vllm.geometry import RegionGeometry
-from kvshm.vllm.identity import engine_identity, find_vllm_config
-from kvshm.vllm.manager import KvshmOffloadingManager, WarmStart, metric_definitions
 from kvshm.vllm.settings import WARM_RESTART_KEY, PluginConfigError, PluginSettings
+from kvshm.vllm.warm.identity import engine_identity, find_vllm_config
+from kvshm.vllm.warm.manager import KvshmOffloadingManager, WarmStart, metric_definitions
 from kvshm.vllm.worker import KvshmOffloadingWorker
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvshm.region.index import FORMAT_VERSION, IdentityValue
+from kvshm.region.index.format import FORMAT_VERSION, IdentityValue
 from kvshm.vllm.geometry import RegionGeometry
-from kvshm.vllm.weights import content_digest
+from kvshm.vllm.warm.weights import content_digest
 
 SHORT_VALUE = 96  # longer values are kept as their digest: the document must fit the header
 MAX_MODEL_FILES = 4096  # a model directory is looked at this far, no further
@@ -83,7 +83,7 @@ def _model_files(directory: Path) -> Iterator[os.DirEntry[str]]:
 def _file_fingerprint(entry: os.DirEntry[str]) -> list[object]:
     """What identifies one file's content at engine start: in a Hugging Face cache snapshot the
     blob a link points at (named by the content's sha256); a JSON file's digest; else a digest
-    of its size, safetensors header and samples of every tensor (kvshm.vllm.weights). Never
+    of its size, safetensors header and samples of every tensor (kvshm.vllm.warm.weights). Never
     its mtime: reproducible image builds give every file one."""
     if entry.is_symlink():
         target = os.readlink(entry.path)

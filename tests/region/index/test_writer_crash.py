@@ -2,8 +2,9 @@
 
 A forked writer follows the protocol on a real tmpfs region and its index, as the plugin's
 manager and workers do together: restore, then forever pick a key, evict the least recently
-used chunk when full (its record invalidated first, R2), write the chunk's bytes in pieces (a
-worker's store), commit (R1), move hit keys in the eviction order, now and then reset (R3).
+used chunk when full (its record invalidated first), write the chunk's bytes in pieces (a
+worker's store), commit once they are complete, move hit keys in the eviction order, now and
+then reset.
 The test kills it with SIGKILL after a random delay, many times, and after each kill restores
 the index and reads every restored chunk's bytes: each must be its key's complete pattern.
 The region's bytes are the ground truth, so a record naming a chunk whose store did not
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from tests.sigkill import fork_and_kill
 
-from kvshm.region.index import RegionIndex
+from kvshm.region.index.writer import RegionIndex
 
 ID = "crash"
 SLOTS = 48
@@ -48,7 +49,7 @@ def writer(directory: Path, seed: int) -> None:
     region = mmap.mmap(fd, SLOTS * ROW)
     index = RegionIndex.open(str(directory), ID, SLOTS)
     resident: OrderedDict[bytes, int] = OrderedDict()
-    records = index.adopt(IDENTITY).records  # killed here too: mid-restore (R4's writes)
+    records = index.adopt(IDENTITY).records  # killed here too: mid-restore (its invalidations)
     for record in records:  # in eviction order: the least recently used first
         resident[record.key] = record.slot
     free = [slot for slot in range(SLOTS) if slot not in set(resident.values())]
@@ -65,16 +66,16 @@ def writer(directory: Path, seed: int) -> None:
             slot = free.pop()
         else:
             _, slot = resident.popitem(last=False)
-            index.invalidate(slot)  # R2: before the new store's bytes land
+            index.invalidate(slot)  # before the new store's bytes land
         data = pattern(k)
         for i in range(PIECES):  # the worker's store, in pieces: killed mid-store too
             region[slot * ROW + i * piece : slot * ROW + (i + 1) * piece] = data[
                 i * piece : (i + 1) * piece
             ]
-        index.commit(slot, k, (tick, 0))  # R1: after the store completed
+        index.commit(slot, k, (tick, 0))  # after the store completed
         resident[k] = slot
         if rng.random() < 0.003:
-            index.reset()  # R3
+            index.reset()
             resident.clear()
             free = list(range(SLOTS))
 

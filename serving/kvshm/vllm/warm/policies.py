@@ -1,8 +1,10 @@
 """vLLM 0.33's LRU and ARC cache policies, journaled for the warm-restart index: each notes
 which keys moved in the eviction order (written to the index at a step's end) and hands its
-evicted chunks to the index at once (R2), can give a committed chunk's eviction order, and can
-restore committed chunks into a fresh policy in that order (docs/warm-restart.md, "Eviction
-order"). The manager (kvshm.vllm.manager) owns the index and decides when it is written.
+evicted chunks to the index's journal at once, so their records are invalid before a store can
+target their slots; each can give a committed chunk's eviction order, and restore committed
+chunks into a fresh policy in that order (docs/warm-restart.md, "Eviction order"). The journal
+(kvshm.vllm.warm.journal) owns the index; the manager (kvshm.vllm.warm.manager) decides when it
+is written.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import heapq
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
-from kvshm.region.index import IndexRecord, RegionIndex
+from kvshm.region.index.writer import IndexRecord
+from kvshm.vllm.warm.journal import Commit, IndexJournal
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus, order_request_keys
@@ -19,24 +22,6 @@ from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 RESTORE_REQUEST = "kvshm-warm-restart"  # the request id restored chunks are inserted under
 ARC_T1, ARC_T2 = 1, 2  # which of ARC's lists a committed chunk was in, the order's first field
-
-Commit = tuple[int, OffloadKey, tuple[int, int]]  # a chunk's slot, key and eviction order
-
-
-class Journal:
-    """What the policy tells the index: keys that moved in the eviction order since the last
-    flush, and evicted chunks (invalidated at once, R2)."""
-
-    __slots__ = ("index", "moved")
-
-    def __init__(self) -> None:
-        self.index: RegionIndex | None = None
-        self.moved: set[OffloadKey] = set()
-
-    def evicted(self, evicted: Sequence[tuple[OffloadKey, ChunkStatus]] | None) -> None:
-        index = self.index
-        if index is not None and evicted:
-            index.invalidate_many([chunk.chunk_id for _, chunk in evicted])
 
 
 def _listed(keys: Iterable[OffloadKey]) -> Collection[OffloadKey]:
@@ -54,7 +39,7 @@ class JournaledLRU(LRUCachePolicy):
     _next_rank: int  # vLLM's LRU state that restore() sets (vLLM's types are Any here)
     _heap: list[Any]
 
-    def __init__(self, cache_capacity: int, journal: Journal) -> None:
+    def __init__(self, cache_capacity: int, journal: IndexJournal) -> None:
         super().__init__(cache_capacity)
         self.journal = journal
 
@@ -85,7 +70,7 @@ class JournaledLRU(LRUCachePolicy):
     ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         """The n least recently used evictable chunks outside `protected`, removed, or None
         (and nothing removed) where there are fewer: vLLM's LRU contract, its per-entry
-        check done here rather than by a method call an entry; and R2, each evicted chunk's
+        check done here rather than by a method call an entry; and each evicted chunk's
         record invalidated before the chunks are handed back for reuse."""
         if n == 0:
             return []
@@ -176,7 +161,7 @@ class JournaledARC(ARCCachePolicy):
     list only by appending at its end and by removing), so a key's order is its list and
     stamp, and each list sorted by stamp is the list."""
 
-    def __init__(self, cache_capacity: int, journal: Journal) -> None:
+    def __init__(self, cache_capacity: int, journal: IndexJournal) -> None:
         super().__init__(cache_capacity)
         self.journal = journal
         self.stamps: dict[OffloadKey, int] = {}

@@ -9,17 +9,12 @@ import os
 from pathlib import Path
 
 import pytest
-from tests.region.index_planting import planted_headers, sound_header
+from tests.region.index.planting import planted_headers, sound_header
 
 from kvshm.region import safefile
-from kvshm.region.index import (
-    HEADER_BYTES,
-    MAX_RECORDS,
-    RegionIndex,
-    flat_json_object,
-    parse_header,
-    read_outcome,
-)
+from kvshm.region.index.format import HEADER_BYTES, MAX_RECORDS, flat_json_object, parse_header
+from kvshm.region.index.reader import read_outcome
+from kvshm.region.index.writer import RegionIndex
 from kvshm.region.naming import index_file_name
 
 CASES = planted_headers()

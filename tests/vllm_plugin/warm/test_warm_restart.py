@@ -248,7 +248,7 @@ def _keys_of(prompt: list[int]) -> list[bytes]:
 
 
 def warm_manager(directory: Path, policy: str = "lru", chunks: int = CHUNKS) -> Any:
-    from kvshm.vllm.manager import KvshmOffloadingManager, WarmStart
+    from kvshm.vllm.warm.manager import KvshmOffloadingManager, WarmStart
 
     warm = WarmStart(str(directory), "unit", {"test": "identity"})
     return KvshmOffloadingManager(chunks, cache_policy=policy, warm=warm)
@@ -401,19 +401,34 @@ def test_the_warm_manager_answers_as_vllms_own(
     answers, counters and events as vLLM's CPUOffloadingManager."""
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-    from kvshm.vllm.manager import KvshmOffloadingManager, WarmStart
+    from kvshm.vllm.warm.manager import KvshmOffloadingManager, WarmStart
 
     warm = WarmStart(str(shm_dir), "unit", {"test": "identity"})
     ours = KvshmOffloadingManager(CHUNKS, cache_policy=policy, enable_events=True, warm=warm)
     theirs = CPUOffloadingManager(CHUNKS, cache_policy=policy, enable_events=True)
     drive(Lockstep(ours, theirs), random.Random(11), 400)
-    assert ours.warm_outcome is not None and ours._index is not None
+    assert ours.warm_outcome is not None and ours._journal.keeping
 
     def events(manager: Any) -> list[tuple[Any, ...]]:
         return [(e.keys, e.removed, e.metadata_only) for e in manager.take_events()]
 
     assert events(ours) == events(theirs)
     ours.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_manager_without_an_index_holds_no_key_past_a_step(shm_dir: Path, policy: str) -> None:
+    """With warm restart off (or an index the engine cannot keep) the journaled policy still
+    notes every key that moves; a step's end lets them go, or the engine's memory would grow
+    with every key it ever served."""
+    from kvshm.vllm.warm.manager import KvshmOffloadingManager, WarmStart
+
+    warm = WarmStart(str(shm_dir), "unit", None, off_reason="warm restart off")
+    manager = KvshmOffloadingManager(CHUNKS, cache_policy=policy, warm=warm)
+    drive(manager, random.Random(5), 300, spread=1000)
+    assert manager.warm_outcome is not None and manager.warm_outcome.state == "cold"
+    assert len(manager._journal.moved) == 0
+    manager.shutdown()
 
 
 def test_reset_cache_drops_every_chunk_for_a_restart_too(
@@ -432,7 +447,7 @@ def test_reset_cache_drops_every_chunk_for_a_restart_too(
 def test_restored_chunks_are_announced_as_stored_events(
     shm_dir: Path, sha256_hashing: None
 ) -> None:
-    from kvshm.vllm.manager import KvshmOffloadingManager, WarmStart
+    from kvshm.vllm.warm.manager import KvshmOffloadingManager, WarmStart
 
     manager = warm_manager(shm_dir)
     drive(manager, random.Random(4), 100)
@@ -650,7 +665,7 @@ def test_a_mismatched_identity_never_hits(
         besides(monkeypatch)
     caplog.clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="kvshm.vllm.manager"):
+        with caplog.at_level(logging.WARNING, logger="kvshm.vllm.warm.manager"):
             new = scheduler_manager(case.config(warm_engine.copy()), case.kv() if case.kv else None)
             assert lookup_all(new, keys) == 0
         assert new.warm_outcome.state == "cold" and new.warm_outcome.chunks == 0
@@ -684,7 +699,7 @@ def test_random_hash_seeds_keep_no_index(
     manager = scheduler_manager(config)
     keys = store_some(manager)
     assert "seeded randomly per process" in manager.warm_outcome.reason
-    assert manager._index is None
+    assert not manager._journal.keeping
     manager.shutdown()
     again = scheduler_manager(config)
     assert lookup_all(again, keys) == 0
@@ -983,7 +998,7 @@ def test_an_index_the_manager_cannot_use_is_removed_or_nothing_is_stored(
     """Every way the index can be unusable, with warm restart on (the index is not adopted)
     or off (its records are not invalidated): the engine's stores never leave a record valid
     over a row they wrote."""
-    from kvshm.vllm.manager import STORES_OFF, KvshmOffloadingManager, WarmStart
+    from kvshm.vllm.warm.manager import STORES_OFF, KvshmOffloadingManager, WarmStart
 
     directory = request.getfixturevalue("small_tmpfs") if "full" in cause else shm_dir
     rows = shm_dir / "rows"

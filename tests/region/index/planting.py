@@ -15,7 +15,7 @@ import struct
 import zlib
 from collections.abc import Iterator
 
-from kvshm.region.index import (
+from kvshm.region.index.format import (
     FORMAT_VERSION,
     HEADER_BYTES,
     MAGIC,

@@ -1,4 +1,4 @@
-"""kvshm.vllm.identity: what identifies a model's weights, how vLLM seeded its block hashing,
+"""kvshm.vllm.warm.identity: what identifies a model's weights, how vLLM seeded its block hashing,
 and where the spec finds vLLM's config."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvshm.vllm.identity import (
+from kvshm.vllm.settings import PluginConfigError, PluginSettings
+from kvshm.vllm.warm.identity import (
     SHORT_VALUE,
     HashingNotReady,
     find_vllm_config,
@@ -19,7 +20,6 @@ from kvshm.vllm.identity import (
     short,
     weights_fingerprint,
 )
-from kvshm.vllm.settings import PluginConfigError, PluginSettings
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -1,4 +1,4 @@
-"""kvshm.vllm.weights and the weights identity of a local model directory: two weight files of
+"""kvshm.vllm.warm.weights and the weights identity of a local model directory: two weight files of
 equal names, sizes and mtimes but other bytes (two fine-tunes of one architecture, built
 reproducibly) are told apart; equal weights are one identity. Files written by the safetensors
 library itself."""
@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvshm.vllm.identity import weights_fingerprint
-from kvshm.vllm.weights import (
+from kvshm.vllm.warm.identity import weights_fingerprint
+from kvshm.vllm.warm.weights import (
     FILE_STRIDE,
     SAMPLE_BYTES,
     TENSOR_STRIDE,

@@ -1,7 +1,7 @@
 """kvshm's JournaledLRU evicts as vLLM 0.33's own LRUCachePolicy does, entry for entry: the same
 random operations (inserts, touches, pins and unpins, removals, evictions with protected keys,
 evictions that must fail whole) give the same answers and leave the same state, and every
-chunk it evicts is handed to the journal (R2)."""
+chunk it evicts is handed to the journal (whose record then names no slot a store may reuse)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
-from kvshm.vllm.policies import Journal, JournaledLRU
+from kvshm.vllm.warm.journal import IndexJournal
+from kvshm.vllm.warm.policies import JournaledLRU
 
 KEYS = [f"key-{i}".encode() for i in range(48)]
 
 
-class RecordingJournal(Journal):
+class RecordingJournal(IndexJournal):
     __slots__ = ("evicted_chunks",)
 
     def __init__(self) -> None:

@@ -1,6 +1,6 @@
-"""kvshm.region.index.remove_index: an index an engine cannot use is removed by name, so no later
-engine adopts records naming rows the engine stores over (docs/warm-restart.md). Real files on
-/dev/shm."""
+"""kvshm.region.index.writer.remove_index: an index an engine cannot use is removed by name, so
+no later engine adopts records naming rows the engine stores over (docs/warm-restart.md). Real
+files on /dev/shm."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.region.index import IndexUnavailable, RegionIndex, remove_index
+from kvshm.region.index.writer import IndexUnavailable, RegionIndex, remove_index
 from kvshm.region.naming import index_file_name
 
 ID = "engine-a"

@@ -3,18 +3,19 @@ store_threshold, events and stats), keeping the warm-restart index of its region
 restarted engine of the same identity starts with every chunk whose store completed, in the
 same eviction order (docs/warm-restart.md).
 
-The index is written where vLLM's contract says a chunk changed: complete_store commits (all
-workers reported the store), the policy's evict invalidates inside prepare_store (before the
-new store's job reaches a worker), reset_cache moves to a new generation, and each step's end
-writes the eviction order of the keys that moved. The manager restores at its first call: vLLM
-seeds its block hashing (init_none_hash) only after it has built the scheduler. An index it
-cannot use is removed before its first store, or it stores nothing (R6): left in place, its
-records would name rows this engine's stores reuse.
+The index is written, through its one owner (kvshm.vllm.warm.journal), where vLLM's contract
+says a chunk changed: complete_store commits (all workers reported the store), the policy's
+evict invalidates inside prepare_store (before the new store's job reaches a worker),
+reset_cache moves to a new generation, and each step's end writes the eviction order of the
+keys that moved. The manager starts warm or cold (_start) at its first call, whichever of
+FIRST_CALLS it is (kvshm.vllm.warm.first_call): vLLM seeds its block hashing (init_none_hash)
+only after it has built the scheduler. An index it cannot use is removed before its first
+store, or it stores nothing: left in place, its records would name rows this engine's stores
+reuse.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import logging
 import time
@@ -22,18 +23,13 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvshm.region.index import (
-    Adoption,
-    IndexRecord,
-    IndexUnavailable,
-    Outcome,
-    RegionIndex,
-    now,
-    remove_index,
-)
+from kvshm.region.index.format import Outcome, now
+from kvshm.region.index.writer import Adoption, IndexRecord, IndexUnavailable
 from kvshm.region.naming import index_file_name
-from kvshm.vllm.identity import HashingNotReady, hash_identity
-from kvshm.vllm.policies import Journal, JournaledARC, JournaledLRU, JournaledPolicy
+from kvshm.vllm.warm.first_call import FirstCall
+from kvshm.vllm.warm.identity import HashingNotReady, hash_identity
+from kvshm.vllm.warm.journal import IndexJournal
+from kvshm.vllm.warm.policies import JournaledARC, JournaledLRU, JournaledPolicy
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -59,8 +55,8 @@ STORES_OFF = "kvshm_warm_index_stores_off"
 # what a drop is counted by: an identity field's name, or one of these
 DROP_NEW, DROP_DAMAGED, DROP_UNAVAILABLE, DROP_OFF = "new", "damaged", "unavailable", "off"
 
-# the manager's calls that can come first: the index is restored before any of them runs
-_FIRST_CALLS = ("on_new_request", "lookup", "prepare_store", "touch", "on_schedule_end")
+# the manager's calls that can come first: the first of them starts it warm or cold (_start)
+FIRST_CALLS = ("on_new_request", "lookup", "prepare_store", "touch", "on_schedule_end")
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -142,8 +138,7 @@ class KvshmOffloadingManager(CPUOffloadingManager):
             max_tracker_size=max_tracker_size,
             info=info,
         )
-        self._journal = Journal()
-        self._index: RegionIndex | None = None
+        self._journal = IndexJournal()
         self._warm = warm
         self._report = _WarmReport()
         self.warm_outcome: Outcome | None = None
@@ -166,25 +161,14 @@ class KvshmOffloadingManager(CPUOffloadingManager):
                 f"the cache policy {cache_policy!r} is not vLLM's lru or arc, whose eviction "
                 f"order kvshm keeps"
             )
-        for name in _FIRST_CALLS:  # shadowed until the first call; then the class's own again
-            setattr(self, name, functools.partial(self._first_call, name))
+        self._first_call = FirstCall(self, FIRST_CALLS, self._start)
 
     # -- the first call ------------------------------------------------------------------
 
-    def _first_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        if not self._start(name):
-            return getattr(type(self), name)(self, *args, **kwargs)
-        for shadowed in _FIRST_CALLS:
-            # not through __dict__, which would materialize the instance's attribute dict
-            # and slow every attribute vLLM's methods read from then on
-            delattr(self, shadowed)
-        if self.stores_off:
-            self.prepare_store = self._store_nothing
-        return getattr(self, name)(*args, **kwargs)
-
     def _start(self, call: str) -> bool:
-        """Adopt or drop the index; False to stay armed (a step ended before vLLM seeded its
-        hashing: no request, so no key, has been seen)."""
+        """Adopt or drop the index, at the first of FIRST_CALLS; False to start at the next
+        call instead (a step ended before vLLM seeded its hashing: no request, so no key, has
+        been seen)."""
         warm = self._warm
         assert warm is not None
         started = time.perf_counter()
@@ -207,21 +191,18 @@ class KvshmOffloadingManager(CPUOffloadingManager):
             self._cold(DROP_OFF, why, started)
             return True
         identity = {**warm.identity, **facts.fields}
+        journal = self._journal
         try:
-            index = RegionIndex.open(warm.directory, warm.instance_id, self._num_chunks)
+            journal.open(warm.directory, warm.instance_id, self._num_chunks)
         except (IndexUnavailable, FileNotFoundError) as exc:
             self._unindexed(DROP_UNAVAILABLE, f"the index cannot be used: {exc}", started)
             return True
         collecting = gc.isenabled()
         gc.disable()  # a restore makes a tuple or two a chunk: no full collection of vLLM's heap
         try:
-            adoption = index.adopt(identity)
-            self._journal.index = index
-            self._index = index
-            self._adopted(adoption, started)
+            self._adopted(journal.adopt(identity), started)
         except BaseException:
-            self._journal.index = self._index = None
-            index.close()
+            journal.close()
             raise
         finally:
             if collecting:
@@ -229,8 +210,6 @@ class KvshmOffloadingManager(CPUOffloadingManager):
         return True
 
     def _adopted(self, adoption: Adoption, started: float) -> None:
-        index = self._index
-        assert index is not None and self._warm is not None
         if not adoption.warm:
             if adoption.differences:
                 reasons = [d.field for d in adoption.differences]
@@ -242,15 +221,14 @@ class KvshmOffloadingManager(CPUOffloadingManager):
                 why = adoption.problem or ""
             self._finish(Outcome("cold", why, 0, now()), reasons, started)
             return
-        self._restore(adoption.records, index.target_t1)
+        self._restore(adoption.records, self._journal.target_t1)
         note = f"; {adoption.discarded} damaged records discarded" if adoption.discarded else ""
         self._finish(Outcome("warm", note.lstrip("; "), len(adoption.records), now()), [], started)
 
     def _restore(self, records: list[IndexRecord], target_t1: float) -> None:
         """The pristine manager (no call has allocated a chunk yet) takes the committed chunks:
-        the policy in their order, the pool with every other slot free (each invalid, R4)."""
-        index = self._index
-        assert index is not None
+        the policy in their order, the pool with every other slot free (the index invalidated
+        each of them when it adopted)."""
         policy = self._journaled
         assert policy is not None
         policy.restore(records, target_t1)
@@ -269,18 +247,12 @@ class KvshmOffloadingManager(CPUOffloadingManager):
         warm = self._warm
         assert warm is not None
         try:
-            index = RegionIndex.open(
-                warm.directory, warm.instance_id, self._num_chunks, create=False
+            self._journal.invalidate(
+                warm.directory, warm.instance_id, self._num_chunks, Outcome("cold", why, 0, now())
             )
-        except FileNotFoundError:
-            index = None
         except IndexUnavailable as exc:
             self._unindexed(reason, f"{why}; the index cannot be invalidated ({exc})", started)
             return
-        if index is not None:
-            with index:
-                index.reset()
-                index.write_outcome(Outcome("cold", why, 0, now()))
         self._finish(Outcome("cold", why, 0, now()), [reason], started, write=False)
 
     def _unindexed(self, reason: str, why: str, started: float) -> None:
@@ -289,9 +261,11 @@ class KvshmOffloadingManager(CPUOffloadingManager):
         warm = self._warm
         assert warm is not None
         try:
-            removed = remove_index(warm.directory, warm.instance_id)
+            removed = self._journal.remove(warm.directory, warm.instance_id)
         except IndexUnavailable as exc:
             self.stores_off = True
+            # for the engine's life, found before the class's method: stores pay no check
+            self.prepare_store = self._store_nothing
             why = (
                 f"{why}; nor can it be removed ({exc}), so this engine stores nothing in the "
                 f"region: a later engine would restore records naming rows it stored into"
@@ -313,8 +287,8 @@ class KvshmOffloadingManager(CPUOffloadingManager):
     def _finish(
         self, outcome: Outcome, drops: list[str], started: float, *, write: bool = True
     ) -> None:
-        if write and self._index is not None:
-            self._index.write_outcome(outcome)
+        if write:
+            self._journal.write_outcome(outcome)
         self.warm_outcome = outcome
         report = self._report
         report.restored = outcome.chunks
@@ -343,47 +317,49 @@ class KvshmOffloadingManager(CPUOffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        index = self._index
-        if index is None or not success:
+        journal = self._journal
+        if not success or not journal.keeping:
             super().complete_store(keys, req_context, success)
             return
         journaled = self._journaled
         assert journaled is not None
         # vLLM's success path, the policy's part in one pass that also collects the commits.
-        # R1: every worker reported the store of these keys complete (vLLM's connector calls
-        # this once a job's last worker reported it): each key that turns ready is committed
-        # (one ready before was committed when it turned ready, or restored from its record).
+        # Every worker reported the store of these keys complete (vLLM's connector calls this
+        # once a job's last worker reported it), the one moment a chunk's record may become
+        # valid: each key that turns ready is committed (one ready before was committed when
+        # it turned ready, or restored from its record).
         commits = journaled.mark_stored(keys)
         if not commits:
             return
         self._num_write_pending_chunks -= len(commits)
         self._num_evictable_cache_chunks += len(commits)
-        index.commit_many(commits)
+        journal.commit(commits)
         if self.events is not None:
             stored_keys = [key for _, key, _ in commits]
             self.events.append(OffloadingEvent(keys=stored_keys, medium=self.medium, removed=False))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         super().on_schedule_end(context)
-        if self._index is not None and self._journal.moved:
-            self._flush()
+        journal = self._journal
+        if journal.moved:
+            if journal.keeping:
+                self._flush()
+            else:  # no index to write them to: kept, they would grow with every key served
+                journal.moved.clear()
 
     def _flush(self) -> None:
         """Write the eviction order of the committed keys that moved in this step."""
-        index = self._index
-        assert index is not None
         policy = self._journaled
         assert policy is not None
-        moved, self._journal.moved = self._journal.moved, set()
-        index.set_orders(policy.committed_orders(moved))
-        if isinstance(policy, JournaledARC):
-            index.target_t1 = policy.target_t1_size
+        journal = self._journal
+        orders = policy.committed_orders(journal.take_moved())
+        journal.write_orders(
+            orders, policy.target_t1_size if isinstance(policy, JournaledARC) else None
+        )
 
     def reset_cache(self) -> None:
         super().reset_cache()
-        self._journal.moved.clear()
-        if self._index is not None:
-            self._index.reset()  # R3
+        self._journal.reset()  # a new generation: every record invalid before this returns
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats = super().get_stats()
@@ -398,14 +374,10 @@ class KvshmOffloadingManager(CPUOffloadingManager):
         return stats
 
     def shutdown(self) -> None:
-        index, self._index = self._index, None
-        self._journal.index = None
-        if index is not None:
-            try:
-                if self._journal.moved:
-                    self._index = index
-                    self._flush()
-            finally:
-                self._index = None
-                index.close()
+        journal = self._journal
+        try:
+            if journal.moved and journal.keeping:
+                self._flush()
+        finally:
+            journal.close()
         super().shutdown()

@@ -1,57 +1,59 @@
-"""A region's warm-restart index: which chunk slot holds the complete bytes of which key.
+"""The warm-restart index as its one engine writes it: RegionIndex opens, locks, sizes and maps
+the file, adopts or drops what it holds (the identity, then every record), and keeps the commit
+protocol's rules as vLLM's manager calls change chunks; remove_index takes the name of an index
+an engine cannot use.
 
-The plugin's scheduler-side manager keeps it beside the region (vllm_offload_<id>.index) so a
-restarted engine of the same identity starts with every chunk whose store completed, and never
-with one whose store did not; the agent reads its header for the OffloadRegion's status.
-docs/warm-restart.md is the design: the format, the commit protocol, why it survives SIGKILL.
-
-Pure Python (struct, mmap, zlib): the agent imports it and no numpy. The file is the tenant's,
-so nothing read from it is trusted: every size is checked before use and a bad file makes the
-engine start cold, never fail.
+docs/warm-restart.md is the design: the commit protocol ("The rules"), and why it survives
+SIGKILL. The header's layout and checks are kvshm.region.index.format's. Only the plugin's
+scheduler (kvshm.vllm.warm.journal) writes an index; the agent never imports this module.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
-import json
-import math
 import mmap
 import os
-import re
 import struct
-import time
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Final, NamedTuple
+from typing import Final, NamedTuple
 
 from kvshm.region import safefile
-from kvshm.region.errors import RegionError, UnsafePathError
+from kvshm.region.errors import UnsafePathError
+from kvshm.region.index.format import (
+    FLOAT64,
+    FORMAT_VERSION,
+    GENERATION_AT,
+    HEADER_BYTES,
+    I64_MAX,
+    IDENTITY_AT,
+    MAGIC,
+    MAX_KEY_BYTES,
+    MAX_RECORDS,
+    OUTCOME_AT,
+    OUTCOME_END,
+    RECORD_BYTES,
+    STATIC,
+    STATIC_CHECK_AT,
+    TARGET_T1_AT,
+    UINT32,
+    UINT64,
+    FieldDifference,
+    Identity,
+    IndexError_,
+    IndexHeader,
+    Outcome,
+    identity_differences,
+    identity_document,
+    index_size,
+    parse_header,
+)
 from kvshm.region.locks import try_lock_byte
 from kvshm.region.naming import index_file_name
 
-MAGIC: Final = b"KVSHMIDX"
-FORMAT_VERSION: Final = 1
-HEADER_BYTES: Final = 4096
-RECORD_BYTES: Final = 80
-MAX_KEY_BYTES: Final = 48  # vLLM 0.33's OffloadKey: a 32-byte sha256 block hash + 4 group bytes
-MAX_IDENTITY_BYTES: Final = 3072
-MAX_RECORDS: Final = 1 << 32  # a bound on a tenant's header, far above any region's chunks
 INDEX_MODE: Final = 0o600
-
-# header: magic, version, header bytes, record bytes, identity bytes, records, identity digest
-_STATIC = struct.Struct("<8sIIII Q 32s")
-_STATIC_CHECK_AT: Final = 64  # CRC-32 of the static fields and the identity document
-_GENERATION_AT: Final = 72
-_TARGET_T1_AT: Final = 80
-_OUTCOME_AT: Final = 128
-_OUTCOME_END: Final = 512
-_IDENTITY_AT: Final = 1024
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-_F64 = struct.Struct("<d")
-_OUTCOME_HEAD = struct.Struct("<II")  # CRC-32, length of the JSON that follows
 
 # record: commit word; key length, 2 reserved bytes, CRC-32; key; eviction order (two i64)
 _RECORD = struct.Struct("<QHxxI48sqq")
@@ -68,253 +70,12 @@ def _key_check(slot: int, generation: int, key: bytes) -> int:
 
 
 _I64_MIN: Final = -(1 << 63)
-_I64_MAX: Final = (1 << 63) - 1
-assert _RECORD.size == RECORD_BYTES and _STATIC.size + 8 <= _GENERATION_AT
-
-IdentityValue = str | int | float | bool | None
-Identity = Mapping[str, IdentityValue]
-
-
-class IndexError_(RegionError):
-    """Base of the index's own errors (not builtins.IndexError)."""
+assert _RECORD.size == RECORD_BYTES
 
 
 class IndexUnavailable(IndexError_):
     """The index cannot be used by this engine (busy, no space, not a regular file): it starts
     cold and says why; the engine itself runs on."""
-
-
-class InvalidIdentity(IndexError_, ValueError):
-    """An identity the index cannot hold: a value of another type, or too long a document."""
-
-
-def index_size(records: int) -> int:
-    """Bytes of an index of `records` chunk slots: the header and a record a slot, rounded up to
-    a page."""
-    raw = HEADER_BYTES + records * RECORD_BYTES
-    return -(-raw // mmap.PAGESIZE) * mmap.PAGESIZE
-
-
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-
-
-def flat_json_object(document: bytes) -> dict[str, Any]:
-    """The JSON object of scalars a tenant's bytes hold (an identity, an outcome). Nesting is
-    refused before json reads it (json recurses once a level: a deep array is a RecursionError),
-    and what json can raise on other bytes is a ValueError here."""
-    outside_strings = _JSON_STRING.sub(b'""', document).strip()
-    if not (outside_strings.startswith(b"{") and outside_strings.endswith(b"}")):
-        raise ValueError("not a JSON object")
-    if any(outside_strings.count(bracket) for bracket in (b"[", b"]")) or (
-        outside_strings.count(b"{"),
-        outside_strings.count(b"}"),
-    ) != (1, 1):
-        raise ValueError("a nested value: only strings, numbers, booleans and null")
-    try:
-        value = json.loads(document)
-    except (ValueError, RecursionError) as exc:  # RecursionError: belt and braces
-        raise ValueError(f"not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ValueError("not a JSON object")
-    return value
-
-
-def identity_document(identity: Identity) -> bytes:
-    """The canonical JSON of an identity (sorted keys, no spaces): what the header stores and
-    digests. Values are JSON scalars; the document fits the header."""
-    for name, value in identity.items():
-        if not isinstance(name, str) or not name:
-            raise InvalidIdentity(f"identity field names are non-empty strings, got {name!r}")
-        if value is not None and not isinstance(value, (str, int, float, bool)):
-            raise InvalidIdentity(
-                f"identity field {name!r} must be a string, number, boolean or null, "
-                f"got {type(value).__name__}"
-            )
-    document = json.dumps(dict(identity), sort_keys=True, separators=(",", ":")).encode()
-    if len(document) > MAX_IDENTITY_BYTES:
-        raise InvalidIdentity(
-            f"the identity document is {len(document)} bytes; the index holds at most "
-            f"{MAX_IDENTITY_BYTES}: digest long values"
-        )
-    return document
-
-
-@dataclass(frozen=True)
-class FieldDifference:
-    """One identity field that differs between the index and the engine."""
-
-    field: str
-    indexed: IdentityValue
-    engine: IdentityValue
-
-    def describe(self, width: int = 96) -> str:
-        def shown(value: IdentityValue) -> str:
-            text = json.dumps(value)
-            return text if len(text) <= width else text[: width - 3] + "..."
-
-        return f"{self.field} (index: {shown(self.indexed)}, engine: {shown(self.engine)})"
-
-
-def identity_differences(indexed: Identity, engine: Identity) -> list[FieldDifference]:
-    """Every field whose value differs, a field missing on one side included, sorted by name."""
-    found = []
-    for name in sorted(set(indexed) | set(engine)):
-        old, new = indexed.get(name), engine.get(name)
-        # a bool is an int to Python, but true is no 1 to an identity
-        if name not in indexed or name not in engine or old != new or type(old) is not type(new):
-            found.append(FieldDifference(name, old, new))
-    return found
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What the engine made of the index at its start, for the agent's status: warm (with how
-    many chunks) or cold (and why)."""
-
-    state: str  # "warm" or "cold"
-    reason: str = ""
-    chunks: int = 0
-    at: float = 0.0
-
-    def encode(self) -> bytes:
-        room = _OUTCOME_END - _OUTCOME_AT - _OUTCOME_HEAD.size
-        reason = self.reason
-        while True:
-            body = json.dumps(
-                {"state": self.state, "reason": reason, "chunks": self.chunks, "at": self.at},
-                sort_keys=True,
-                separators=(",", ":"),
-            ).encode()
-            if len(body) <= room:
-                return _OUTCOME_HEAD.pack(zlib.crc32(body), len(body)) + body
-            reason = reason[: max(0, len(reason) - (len(body) - room) - 3)] + "..."
-
-    @classmethod
-    def decode(cls, block: bytes) -> Outcome | None:
-        """The outcome in a header's outcome block, or None when there is none, it is torn, or
-        it holds what no engine writes (a tenant's: anything at all)."""
-        crc, length = _OUTCOME_HEAD.unpack_from(block)
-        body = block[_OUTCOME_HEAD.size : _OUTCOME_HEAD.size + length]
-        if not 0 < length <= len(block) - _OUTCOME_HEAD.size or zlib.crc32(body) != crc:
-            return None
-        try:
-            data = flat_json_object(body)
-            state, reason, chunks, at = data["state"], data["reason"], data["chunks"], data["at"]
-        except (ValueError, KeyError):
-            return None
-        if not (
-            state in ("warm", "cold")
-            and type(reason) is str
-            and type(chunks) is int  # a bool is an int to Python, not to the status
-            and 0 <= chunks <= _I64_MAX
-            and type(at) in (int, float)
-        ):
-            return None
-        try:
-            seconds = float(at)
-        except OverflowError:  # an integer past the largest float
-            return None
-        return cls(state, reason, chunks, seconds) if math.isfinite(seconds) else None
-
-
-@dataclass(frozen=True)
-class IndexHeader:
-    """A header read and checked: its identity is present only if every check passed."""
-
-    records: int
-    identity: Mapping[str, IdentityValue] | None
-    problem: str | None
-    """Why the header cannot be used (None: it can)."""
-    generation: int
-    target_t1: float
-    outcome: Outcome | None
-
-
-def parse_header(data: bytes, records: int | None = None) -> IndexHeader:
-    """Check a header's bytes (at least HEADER_BYTES); `records`, if given, is what the engine
-    expects. Never raises on bad bytes: the problem says what is wrong."""
-    if len(data) < HEADER_BYTES:
-        return IndexHeader(
-            0, None, f"the file is {len(data)} bytes, shorter than a header", 0, 0, None
-        )
-    magic, version, header_bytes, record_bytes, identity_len, count, digest = _STATIC.unpack_from(
-        data
-    )
-    generation = _U64.unpack_from(data, _GENERATION_AT)[0]
-    target_t1 = _F64.unpack_from(data, _TARGET_T1_AT)[0]
-    outcome = Outcome.decode(data[_OUTCOME_AT:_OUTCOME_END])
-
-    def bad(problem: str) -> IndexHeader:
-        return IndexHeader(count, None, problem, generation, target_t1, outcome)
-
-    if not any(data[:HEADER_BYTES]):
-        return bad("a new index: no engine wrote it yet")
-    if magic != MAGIC:
-        return bad("it is not a kvshm index (no magic): overwritten")
-    if version != FORMAT_VERSION:
-        return bad(f"index format {version}, this kvshm writes {FORMAT_VERSION}")
-    if (header_bytes, record_bytes) != (HEADER_BYTES, RECORD_BYTES):
-        return bad(f"header/record sizes {header_bytes}/{record_bytes}, expected 4096/80")
-    if not 0 < identity_len <= MAX_IDENTITY_BYTES:
-        return bad(f"an identity of {identity_len} bytes (at most {MAX_IDENTITY_BYTES})")
-    if not 0 < count <= MAX_RECORDS:
-        return bad(f"{count} records")
-    document = data[_IDENTITY_AT : _IDENTITY_AT + identity_len]
-    check = zlib.crc32(document, zlib.crc32(data[:_STATIC_CHECK_AT]))
-    if _U32.unpack_from(data, _STATIC_CHECK_AT)[0] != check:
-        return bad("the header's checksum does not match (a torn or altered header)")
-    if hashlib.sha256(document).digest() != digest:
-        return bad("the identity's digest does not match")
-    try:
-        identity = flat_json_object(document)
-        identity_document(identity)  # the same rules as when it was written
-    except (ValueError, InvalidIdentity) as exc:
-        return bad(f"the identity is unreadable ({exc})")
-    if records is not None and count != records:
-        return bad(f"the index has {count} records, the region {records} chunks")
-    return IndexHeader(count, identity, None, generation, target_t1, outcome)
-
-
-@dataclass(frozen=True)
-class IndexReading:
-    """What a reader other than the engine (the agent, for the region's status) finds of a
-    region's index: nothing, the outcome of the last engine's start, or why it has none."""
-
-    present: bool
-    outcome: Outcome | None = None
-    problem: str = ""  # why there is no outcome (present, outcome None)
-
-
-def read_outcome(dir_fd: int, instance_id: str, directory: str) -> IndexReading:
-    """The outcome block of the index of region `instance_id` in the directory open as
-    `dir_fd` (`directory` only names it in messages): one pread of the header, never a mapping
-    (the tenant could truncate it under a reader: SIGBUS), never a lock (the engine holds it),
-    never a symlink, FIFO or hard-linked file (safefile). Never raises on what the file holds."""
-    name = index_file_name(instance_id)
-    path = os.path.join(directory, name)
-    try:
-        fd = safefile.open_checked(name, os.O_RDONLY, path, dir_fd)
-    except FileNotFoundError:
-        return IndexReading(False)
-    except UnsafePathError as exc:
-        return IndexReading(True, None, str(exc))
-    except OSError as exc:
-        return IndexReading(True, None, f"{path} cannot be opened ({exc.strerror})")
-    try:
-        data = os.pread(fd, HEADER_BYTES, 0)
-    except OSError as exc:
-        return IndexReading(True, None, f"{path} cannot be read ({exc.strerror})")
-    finally:
-        os.close(fd)
-    header = parse_header(data)
-    if header.outcome is not None:
-        return IndexReading(True, header.outcome)
-    return IndexReading(
-        True,
-        None,
-        header.problem
-        or "it holds no engine's outcome (an engine is starting, or the header was altered)",
-    )
 
 
 def remove_index(directory: str, instance_id: str) -> bool:
@@ -354,7 +115,7 @@ def _new_generation(previous: int) -> int:
 
 
 def _clamp(value: int) -> int:
-    return min(max(int(value), _I64_MIN), _I64_MAX)
+    return min(max(int(value), _I64_MIN), I64_MAX)
 
 
 class IndexRecord(NamedTuple):
@@ -402,7 +163,7 @@ class RegionIndex:
         self.records = records
         self._fd = fd
         self._map: mmap.mmap | None = mapping
-        self._generation = _U64.unpack_from(mapping, _GENERATION_AT)[0]
+        self._generation = UINT64.unpack_from(mapping, GENERATION_AT)[0]
 
     @classmethod
     def open(
@@ -473,10 +234,10 @@ class RegionIndex:
         document = identity_document(identity)
         mapping = self._mapping
         self._set_generation(_new_generation(self._generation))
-        _F64.pack_into(mapping, _TARGET_T1_AT, 0.0)
-        mapping[_IDENTITY_AT:HEADER_BYTES] = bytes(HEADER_BYTES - _IDENTITY_AT)
-        mapping[_IDENTITY_AT : _IDENTITY_AT + len(document)] = document
-        _STATIC.pack_into(
+        FLOAT64.pack_into(mapping, TARGET_T1_AT, 0.0)
+        mapping[IDENTITY_AT:HEADER_BYTES] = bytes(HEADER_BYTES - IDENTITY_AT)
+        mapping[IDENTITY_AT : IDENTITY_AT + len(document)] = document
+        STATIC.pack_into(
             mapping,
             0,
             MAGIC,
@@ -487,11 +248,11 @@ class RegionIndex:
             self.records,
             hashlib.sha256(document).digest(),
         )
-        check = zlib.crc32(document, zlib.crc32(mapping[:_STATIC_CHECK_AT]))
-        _U32.pack_into(mapping, _STATIC_CHECK_AT, check)
+        check = zlib.crc32(document, zlib.crc32(mapping[:STATIC_CHECK_AT]))
+        UINT32.pack_into(mapping, STATIC_CHECK_AT, check)
 
     def _set_generation(self, generation: int) -> None:
-        _U64.pack_into(self._mapping, _GENERATION_AT, generation)
+        UINT64.pack_into(self._mapping, GENERATION_AT, generation)
         self._generation = generation
 
     def adopt(self, identity: Identity) -> Adoption:
@@ -552,7 +313,7 @@ class RegionIndex:
                 by_key[key] = record
         finally:
             view.release()
-        self.invalidate_many(invalid)  # R4: a slot that enters the free list is invalid
+        self.invalidate_many(invalid)  # every slot that enters the free list is invalid first
         records = list(by_key.values())
         records.sort(key=_eviction_order)
         return records, discarded
@@ -560,8 +321,8 @@ class RegionIndex:
     # -- records -------------------------------------------------------------------------
 
     def commit(self, slot: int, key: bytes, order: tuple[int, int]) -> None:
-        """Record that chunk `slot` holds the complete bytes of `key` (R1): the body first, the
-        commit word last."""
+        """Record that chunk `slot` holds the complete bytes of `key` (its store completed on
+        every worker): the body first, the commit word last."""
         self.commit_many(((slot, key, order),))
 
     def commit_many(self, records: Iterable[tuple[int, bytes, tuple[int, int]]]) -> None:
@@ -569,7 +330,7 @@ class RegionIndex:
         generation = self._generation
         mixed = generation ^ (generation >> 32)
         mapping = self._mapping
-        body, word, crc32 = _BODY.pack_into, _U64.pack_into, zlib.crc32
+        body, word, crc32 = _BODY.pack_into, UINT64.pack_into, zlib.crc32
         for slot, key, (major, minor) in records:
             length = len(key)
             if not 0 < length <= MAX_KEY_BYTES:
@@ -583,11 +344,12 @@ class RegionIndex:
             word(mapping, at, generation)
 
     def invalidate(self, slot: int) -> None:
-        """Chunk `slot` no longer holds its key's bytes, or soon will not (R2, R4)."""
-        _U64.pack_into(self._mapping, HEADER_BYTES + slot * RECORD_BYTES, 0)
+        """Chunk `slot` no longer holds its key's bytes, or soon will not (evicted, or about to
+        enter the free list)."""
+        UINT64.pack_into(self._mapping, HEADER_BYTES + slot * RECORD_BYTES, 0)
 
     def invalidate_many(self, slots: Iterable[int]) -> None:
-        mapping, word = self._mapping, _U64.pack_into
+        mapping, word = self._mapping, UINT64.pack_into
         for slot in slots:
             word(mapping, HEADER_BYTES + slot * RECORD_BYTES, 0)
 
@@ -608,22 +370,22 @@ class RegionIndex:
                 pack(mapping, at, _clamp(major), _clamp(minor))
 
     def reset(self) -> None:
-        """Invalidate every record at once (R3: vLLM's reset_cache)."""
+        """Invalidate every record at once (vLLM's reset_cache)."""
         self._set_generation(_new_generation(self._generation))
 
     @property
     def target_t1(self) -> float:
-        value: float = _F64.unpack_from(self._mapping, _TARGET_T1_AT)[0]
+        value: float = FLOAT64.unpack_from(self._mapping, TARGET_T1_AT)[0]
         return value
 
     @target_t1.setter
     def target_t1(self, value: float) -> None:
-        _F64.pack_into(self._mapping, _TARGET_T1_AT, float(value))
+        FLOAT64.pack_into(self._mapping, TARGET_T1_AT, float(value))
 
     def write_outcome(self, outcome: Outcome) -> None:
         block = outcome.encode()
         mapping = self._mapping
-        mapping[_OUTCOME_AT:_OUTCOME_END] = block + bytes(_OUTCOME_END - _OUTCOME_AT - len(block))
+        mapping[OUTCOME_AT:OUTCOME_END] = block + bytes(OUTCOME_END - OUTCOME_AT - len(block))
 
     def close(self) -> None:
         """Unmap and close (which drops the lock); idempotent."""
@@ -639,8 +401,3 @@ class RegionIndex:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def now() -> float:
-    """The time an outcome carries."""
-    return time.time()

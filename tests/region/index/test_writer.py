@@ -1,5 +1,6 @@
-"""kvshm.region.index: the warm-restart index's format, its rules, and a tenant's file that is
-never trusted (docs/warm-restart.md). Real files on /dev/shm."""
+"""kvshm.region.index.writer and the format it writes (kvshm.region.index.format): the
+warm-restart index's rules, and a tenant's file that is never trusted (docs/warm-restart.md).
+Real files on /dev/shm."""
 
 from __future__ import annotations
 
@@ -12,23 +13,20 @@ from typing import Any
 
 import pytest
 
-from kvshm.region.index import (
+from kvshm.region.index.format import (
     HEADER_BYTES,
     MAX_IDENTITY_BYTES,
     MAX_KEY_BYTES,
     RECORD_BYTES,
     FieldDifference,
     Identity,
-    IndexRecord,
-    IndexUnavailable,
     InvalidIdentity,
     Outcome,
-    RegionIndex,
-    _new_generation,
     identity_differences,
     index_size,
     parse_header,
 )
+from kvshm.region.index.writer import IndexRecord, IndexUnavailable, RegionIndex, _new_generation
 from kvshm.region.naming import index_file_name
 
 ID = "engine-a"
@@ -243,7 +241,7 @@ def test_damaged_records_are_discarded_and_invalidated(shm_dir: Path) -> None:
     assert adoption.warm and adoption.discarded == 4
     assert [r.slot for r in adoption.records] == [0, 6, 7]
     after = path.read_bytes()
-    for slot in (1, 2, 3, 4, 5):  # R4: every slot not restored is invalid on the file
+    for slot in (1, 2, 3, 4, 5):  # every slot not restored is invalid on the file
         assert after[record_at(slot) : record_at(slot) + 8] == bytes(8)
 
 
