@@ -294,7 +294,8 @@ def startup(args: argparse.Namespace, work: Path, log: Path) -> list[dict[str, A
 def resident_keys(region: Path, instance_id: str, chunks: int) -> list[str]:
     """The chunks the index says are stored and resident, read from a copy (opening an index
     locks and may rewrite it; the copy keeps the original as the dead engine left it)."""
-    from kvshm.region.index import RegionIndex, parse_header
+    from kvshm.region.index.format import parse_header
+    from kvshm.region.index.writer import RegionIndex
     from kvshm.region.naming import index_file_name
 
     copy = Path(tempfile.mkdtemp(prefix="kvshm-index-"))
@@ -391,7 +392,7 @@ def restart(args: argparse.Namespace, work: Path, log: Path) -> dict[str, Any]:
     hit = [k for k in resident if k in loaded]
     equal = [a["output"] == b["output"] for a, b in zip(served, replay, strict=False)]
     tier_hits_before = [s["ttft"] for s in served if s["external_tokens"] > 0]
-    from kvshm.region.index import read_outcome
+    from kvshm.region.index.reader import read_outcome
 
     dir_fd = os.open(region, os.O_RDONLY | os.O_DIRECTORY)
     try:

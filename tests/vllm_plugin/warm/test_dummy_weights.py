@@ -20,7 +20,7 @@ from tests.vllm_plugin.engine import (
     write_model,
 )
 from tests.vllm_plugin.regions import agent_region, remove_region
-from tests.vllm_plugin.test_warm_restart import (
+from tests.vllm_plugin.warm.test_warm_restart import (
     CHUNKS,
     SHM,
     lookup_all,
