@@ -55,7 +55,9 @@ cat >"$GPU/env.sh" <<'EOF'
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gpu-site \
     --upgrade .gpu/whl/*.whl || return 1
 python3 -c 'import tarfile; tarfile.open(".gpu/vllm-src.tar.xz").extractall("/tmp/gpu-src")' || return 1
-export PYTHONPATH="$PWD/agent:$PWD/common:$PWD/serving:$PWD/cli:$PWD/operator:/tmp/gpu-src:/tmp/gpu-site:$PWD"
+# kvshm's source roots as pyproject.toml lists them (their one spelling), then vLLM and its wheels
+roots=$(python3 -c 'import tomllib; print(":".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["hatch"]["build"]["dev-mode-dirs"]))') || return 1
+export PYTHONPATH="$(printf "$PWD/%s:" ${roots//:/ })/tmp/gpu-src:/tmp/gpu-site:$PWD"
 export VLLM_TARGET_DEVICE=cpu PYTHONUNBUFFERED=1
 EOF
 du -sh "$GPU"

@@ -19,7 +19,7 @@ From these, per page size: the fixed cost of a call (pages), the cost per MiB ((
 the bytes between them), and what mapping the pages first costs. With --ranks N the cells and
 the whole file are registered by N processes at once, each its own rank's cells, on one GPU.
 
-    PYTHONPATH=agent:common:serving:cli:operator python3 bench/attach/registration_cost.py
+    source .gpu/env.sh && python3 bench/attach/registration_cost.py
         [--gib 16] [--ranks 4] [--directory /dev/shm] [--huge-directory DIR] [--json FILE]
 """
 

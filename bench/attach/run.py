@@ -45,7 +45,7 @@ node's /dev/shm) against 2 MiB huge pages (a tmpfs mounted huge=within_size for 
 needed, or --huge-directory), interleaved per repeat: how much faster the agent's region on
 huge pages registers, whole and (TP > 1) the rank's cells. Goal: cells >= 1.5x at TP 4.
 
-    PYTHONPATH=agent:common:serving:cli:operator python3 bench/attach/run.py
+    source .gpu/env.sh && python3 bench/attach/run.py
         [--gib 16 64] [--tp 1 4]
         [--directory /dev/shm] [--repeat 1] [--vllm-src .vllm-src] [--json out.json]
         [--compare-pages [--huge-directory DIR]]

@@ -46,10 +46,10 @@ NAMESPACE = "default"  # the agent's local mode puts a region under <root>/<name
 
 def python_env() -> dict[str, str]:
     env = dict(os.environ)
-    # the startup hook first (bench/engine/startup/sitecustomize.py), then kvshm's sources
-    roots = [str(REPO / "bench" / "engine" / "startup")]
-    roots += [str(REPO / d) for d in ("agent", "common", "serving", "cli", "operator")]
-    env["PYTHONPATH"] = os.pathsep.join([*roots, env.get("PYTHONPATH", "")])
+    # the startup hook first (bench/engine/startup/sitecustomize.py); kvshm's sources come with
+    # the interpreter (the editable install, or .gpu/env.sh's PYTHONPATH)
+    startup = str(REPO / "bench" / "engine" / "startup")
+    env["PYTHONPATH"] = os.pathsep.join([startup, env.get("PYTHONPATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

@@ -30,7 +30,7 @@ Geometry: Llama-3.1-70B at TP 4 (1,310,720-byte cells, 5 MiB rows; bench/region_
 at 64 GiB every file is whole huge pages. vLLM's code comes from .vllm-src/ or an installed
 vLLM 0.33 (bench/vllm_modules.py). Mounting the huge-page tmpfs needs root.
 
-    PYTHONPATH=agent:common:serving:cli:operator python3 bench/populate/run.py [--gib 64] [--tp 4]
+    source .gpu/env.sh && python3 bench/populate/run.py [--gib 64] [--tp 4]
         [--threads N ...] [--directory /dev/shm] [--huge-directory DIR | --no-huge]
         [--repeat 3] [--vllm-src .vllm-src]
     python bench/populate/run.py --quick     # CPU box: 2 GiB, one run

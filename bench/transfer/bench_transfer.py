@@ -20,7 +20,7 @@ Goals (docs/benchmarks.md): (c) >= 95% of (a) one way; both ways >= 80% of (a) b
 and >= 90% from 256 KiB.
 
 Run on a GPU machine from the repository root:
-    PYTHONPATH=agent:common:serving:cli:operator python3 bench/transfer/bench_transfer.py
+    source .gpu/env.sh && python3 bench/transfer/bench_transfer.py
         [--json FILE]
 """
 

@@ -9,7 +9,7 @@ same copies between host rows in random order and one device buffer, issued two 
 Each line prints region GB/s, pinned GB/s and their ratio per direction (docs/transfer.md F18).
 
 Run on a GPU machine from the repository root:
-    PYTHONPATH=agent:common:serving:cli:operator python3 bench/transfer/region_memory.py
+    source .gpu/env.sh && python3 bench/transfer/region_memory.py
         [--gib 1] [--json FILE]
 """
 

@@ -12,7 +12,7 @@ first. Where FlashAttention 3 does not import (vLLM without its compiled kernels
 than 9.x), `--reader proxy` reads the same pages with a Triton kernel that sums them: the HBM
 reads alone, not attention. Needs vLLM 0.33 (its KV-cache views) and a CUDA device.
 
-    PYTHONPATH=agent:common:serving:cli:operator python3 bench/vllm_plugin/attention_layout.py
+    source .gpu/env.sh && python3 bench/vllm_plugin/attention_layout.py
         [--reader proxy]
 """
 

@@ -15,7 +15,7 @@ On a machine without CUDA it runs at a small size with KV caches in CPU memory a
 CPU copy backend: the GB/s then compare memmove into each root, not a GPU link, and there is no
 registration and no products (it says so). Needs vLLM 0.33's worker modules like run.py.
 
-    PYTHONPATH=agent:common:serving:cli:operator python3 bench/vllm_plugin/pages.py [--layouts a,b]
+    source .gpu/env.sh && python3 bench/vllm_plugin/pages.py [--layouts a,b]
         [--gib 2] [--start-gib 64] [--huge-directory DIR] [--json FILE]
     python bench/vllm_plugin/pages.py --quick     # a CPU box: small, no GPU parts
 """

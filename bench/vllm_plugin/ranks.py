@@ -11,7 +11,7 @@ choose their backends by block size (the handlers' policy), not by measurement, 
 ranks' figures do not depend on which rank measured first.
 
 Run on a machine with two (or more) GPUs from the repository root, vLLM importable:
-    PYTHONPATH=agent:common:serving:cli:operator python3 bench/vllm_plugin/ranks.py
+    source .gpu/env.sh && python3 bench/vllm_plugin/ranks.py
         [--gpus 2] [--json FILE]
 """
 

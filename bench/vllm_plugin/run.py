@@ -23,7 +23,7 @@ blocks against the plugin's, the plugin's background registration and its first 
 
 Run on a GPU machine from the repository root, vLLM 0.33.0's wheel installed with --no-deps and
 the few pure-Python packages its worker modules import (docs/vllm-plugin.md):
-    PYTHONPATH=agent:common:serving:cli:operator python3 bench/vllm_plugin/run.py
+    source .gpu/env.sh && python3 bench/vllm_plugin/run.py
         [--layouts a,b] [--json FILE]
 Exits non-zero if anything could not be measured.
 """

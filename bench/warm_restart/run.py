@@ -1,6 +1,6 @@
 """The warm-restart manager against vLLM 0.33's own CPUOffloadingManager, same run.
 
-    PYTHONPATH=agent:common:serving:cli:operator .venv/bin/python bench/warm_restart/run.py
+    .venv/bin/python bench/warm_restart/run.py
         [--chunks 20000]
 
 Both managers get the same calls, as vLLM's offloading scheduler makes them (a request's chunk

@@ -2,7 +2,7 @@
 content digest of its weight files (kvshm.vllm.warm.weights), cold and warm, against hashing the
 files whole.
 
-    PYTHONPATH=agent:common:serving:cli:operator .venv/bin/python \\
+    .venv/bin/python \\
         bench/warm_restart/weights_digest.py --directory /var/tmp/kvshm-weights [--make-gib 8]
 
 --make-gib writes safetensors shards shaped like Llama-3.1-70B's (bf16, random bytes: the

@@ -3,7 +3,7 @@ block-outer (and a two-group model):
 stores, loads and expedited loads with random block ids and partial chunks, checked through
 vLLM 0.33's own region views; the region registered with CUDA in the background.
 
-    PYTHONPATH=agent:common:serving:cli:operator python3 -m pytest tests/vllm_plugin -m gpu
+    source .gpu/env.sh && python3 -m pytest tests/vllm_plugin -m gpu
 """
 
 from __future__ import annotations
