@@ -23,8 +23,8 @@ from kvshm.transfer import (
     SingleDirectionOffloadingHandler,
     WorkerHandlers,
 )
+from kvshm.vllm.background_pin import BackgroundPin
 from kvshm.vllm.events import DrainListener
-from kvshm.vllm.pinning import BackgroundPin
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
