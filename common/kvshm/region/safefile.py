@@ -22,9 +22,12 @@ from kvshm.region.errors import UnsafePathError
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def open_directory(path: str) -> int:
-    """A descriptor of the directory a caller named (the caller trusts its own path)."""
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def open_directory(path: str, *, follow_symlinks: bool = True) -> int:
+    """A descriptor of the directory a caller named (the caller trusts its own path); without
+    follow_symlinks a symlink at its last component is refused (ELOOP), as for a path someone
+    else may have planted."""
+    nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | nofollow)
 
 
 def describe_file_type(mode: int) -> str:

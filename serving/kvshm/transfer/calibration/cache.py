@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvshm.region.safefile import create_exclusive, describe_file_type, open_checked
+from kvshm.region.safefile import create_exclusive, describe_file_type, open_checked, open_directory
 from kvshm.transfer.calibration.policy import CHOICES
 from kvshm.transfer.choice.chooser import BACKEND_NAMES, COPY_ENGINES
 
@@ -97,9 +97,8 @@ class ChoiceCache:
             log.warning(message)
 
     def _open_directory(self) -> int:
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            return os.open(self.directory, flags)
+            return open_directory(str(self.directory), follow_symlinks=False)
         except OSError as exc:
             try:
                 mode = os.lstat(self.directory).st_mode
