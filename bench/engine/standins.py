@@ -74,7 +74,11 @@ def cuda_view_from_cpu_tensor(cpu_tensor: torch.Tensor) -> torch.Tensor:
     return typed.as_strided(cpu_tensor.size(), cpu_tensor.stride(), cpu_tensor.storage_offset())
 
 
-def _swap_blocks_batch() -> Any:
+def restated_swap_blocks_batch(location_hints: bool = True) -> Any:
+    """vLLM's `swap_blocks_batch` re-stated through kvshm's ctypes binding of the driver: one
+    cuMemcpyBatchAsync per call over all its copies, source order ANY for loads and STREAM for
+    stores, each copy with host/device location hints as vLLM 0.33 gives them (without
+    location_hints: no hints, as bench/vllm_plugin's baseline has always measured it)."""
     from kvshm.transfer.cuda.driver import (
         CU_MEM_LOCATION_TYPE_DEVICE,
         CU_MEM_LOCATION_TYPE_HOST,
@@ -101,13 +105,18 @@ def _swap_blocks_batch() -> Any:
             for s, d, z in zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist(), strict=True):
                 driver.check("cuMemcpyAsync", driver.memcpy(d, s, z, stream))
             return
-        device = CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, torch.cuda.current_device())
-        host = CUmemLocation(CU_MEM_LOCATION_TYPE_HOST, 0)
         # vLLM's worker asks for ANY only on loads (host to device), STREAM on stores
         if is_src_access_order_any:
-            attributes = CUmemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_ANY, host, device, 0)
+            order = CU_MEMCPY_SRC_ACCESS_ORDER_ANY
         else:
-            attributes = CUmemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, device, host, 0)
+            order = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        if location_hints:
+            device = CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, torch.cuda.current_device())
+            host = CUmemLocation(CU_MEM_LOCATION_TYPE_HOST, 0)
+            source, destination = (host, device) if is_src_access_order_any else (device, host)
+        else:
+            source = destination = CUmemLocation(0, 0)
+        attributes = CUmemcpyAttributes(order, source, destination, 0)
         code = driver.memcpy_batch(
             dst_ptrs.data_ptr(), src_ptrs.data_ptr(), sizes.data_ptr(), count, attributes, stream
         )
@@ -148,7 +157,7 @@ STANDINS: tuple[tuple[str, str, str, str, Any], ...] = (
         "swap_blocks_batch(Tensor src_ptrs, Tensor dst_ptrs, Tensor sizes, "
         "bool is_src_access_order_any=False) -> ()",
         "CPU",
-        _swap_blocks_batch,
+        restated_swap_blocks_batch,
     ),
 )
 

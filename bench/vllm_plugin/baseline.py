@@ -52,42 +52,9 @@ def vllm_dma_note() -> str:
         return "vLLM's compiled swap_blocks_batch (vllm._C)"
     except (AttributeError, RuntimeError):
         pass
-    from kvshm.transfer.cuda.driver import (
-        CU_MEMCPY_SRC_ACCESS_ORDER_ANY,
-        CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-        CUmemcpyAttributes,
-        CUmemLocation,
-        cuda_driver,
-    )
+    from bench.engine.standins import restated_swap_blocks_batch
 
-    driver = cuda_driver()
-
-    def swap_blocks_batch(
-        src_ptrs: torch.Tensor,
-        dst_ptrs: torch.Tensor,
-        sizes: torch.Tensor,
-        is_src_access_order_any: bool = False,
-    ) -> None:
-        n = sizes.numel()
-        if n == 0:
-            return
-        stream = torch.cuda.current_stream().cuda_stream
-        if not driver.has_batch:  # vLLM's fallback below CUDA 12.8: one copy per call
-            for s, d, z in zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist(), strict=True):
-                driver.check("cuMemcpyAsync", driver.memcpy(d, s, z, stream))
-            return
-        order = (
-            CU_MEMCPY_SRC_ACCESS_ORDER_ANY
-            if is_src_access_order_any
-            else (CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
-        )
-        attributes = CUmemcpyAttributes(order, CUmemLocation(0, 0), CUmemLocation(0, 0), 0)
-        code = driver.memcpy_batch(
-            dst_ptrs.data_ptr(), src_ptrs.data_ptr(), sizes.data_ptr(), n, attributes, stream
-        )
-        driver.check("cuMemcpyBatchAsync", code)
-
-    ops.swap_blocks_batch = swap_blocks_batch
+    ops.swap_blocks_batch = restated_swap_blocks_batch(location_hints=False)
     return "vllm._C not loadable: its swap_blocks_batch re-stated (one cuMemcpyBatchAsync/job)"
 
 
