@@ -54,6 +54,17 @@ def python_env() -> dict[str, str]:
     return env
 
 
+def engine_process(spec_path: Path, result_path: Path) -> subprocess.Popen[str]:
+    """One engine (bench/engine/engine.py) in a fresh process, its output on a pipe."""
+    return subprocess.Popen(
+        [sys.executable, str(ENGINE), str(spec_path), str(result_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=python_env(),
+    )
+
+
 def region_layout(model_dir: Path, instance_id: str, cpu_bytes: int) -> dict[str, Any]:
     """`kvshm layout`'s OffloadRegion for the model and CPU bytes (kvshm.sizing's numbers)."""
     out = subprocess.run(
@@ -139,13 +150,7 @@ def run_engine(spec: dict[str, Any], work: Path, log: Path, timeout: float) -> d
     print(f"== {name}: {spec['tier']} on {spec['shape']}", flush=True)
     started = time.perf_counter()
     with open(log, "a") as out:
-        process = subprocess.Popen(
-            [sys.executable, str(ENGINE), str(spec_path), str(result_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=python_env(),
-        )
+        process = engine_process(spec_path, result_path)
         assert process.stdout is not None
         deadline = started + timeout
         for line in process.stdout:

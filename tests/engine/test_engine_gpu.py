@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench.engine.run import ENGINE, GIB, agent_region, python_env, region_bytes, region_layout
+from bench.engine.run import GIB, agent_region, engine_process, region_bytes, region_layout
 from bench.engine.shapes import LLAMA_TINY
 
 pytestmark = pytest.mark.gpu
@@ -70,14 +69,7 @@ def start(tmp_path: Path, engine: dict[str, Any]) -> tuple[subprocess.Popen[str]
     name = f"{engine['label']}-{uuid.uuid4().hex[:6]}"
     spec_path, result = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.result.json"
     spec_path.write_text(json.dumps(engine))
-    process = subprocess.Popen(
-        [sys.executable, str(ENGINE), str(spec_path), str(result)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=python_env(),
-    )
-    return process, result
+    return engine_process(spec_path, result), result
 
 
 def run(tmp_path: Path, engine: dict[str, Any], timeout: float = 240) -> dict[str, Any]:
